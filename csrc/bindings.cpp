@@ -1,0 +1,47 @@
+// The one bindings file: a plain C ABI loaded with ctypes. NOTE: no torch
+// headers, so the library is independent of the torch version it runs under
+// (2.11 to 2.14) and compiles in seconds; torch tensors cross as pointers.
+#include <cuda_runtime.h>
+
+#include "symm/symm.h"
+#include "utils/check.h"
+#include "utils/driver.h"
+
+#define MPTP_API extern "C" __attribute__((visibility("default")))
+
+MPTP_API int mptp_abi_version() { return 1; }
+MPTP_API const char* mptp_last_error() { return mptp::last_error(); }
+MPTP_API int mptp_ipc_handle_bytes() { return static_cast<int>(mptp::kIpcHandleBytes); }
+
+MPTP_API int mptp_driver_available() { return mptp::driver() != nullptr ? 1 : 0; }
+
+MPTP_API int mptp_alloc(size_t bytes, void** ptr, size_t* granted) {
+  return mptp::alloc(bytes, ptr, granted);
+}
+MPTP_API int mptp_free(void* ptr) { return mptp::free_buffer(ptr); }
+MPTP_API int mptp_export_handle(void* ptr, void* out) { return mptp::export_handle(ptr, out); }
+MPTP_API int mptp_import_handle(const void* h, void** ptr) { return mptp::import_handle(h, ptr); }
+MPTP_API int mptp_close_handle(void* ptr) { return mptp::close_handle(ptr); }
+
+MPTP_API int mptp_error_record(void** host, void** device) {
+  return mptp::error_record(reinterpret_cast<mptp::ErrorRecord**>(host),
+                            reinterpret_cast<mptp::ErrorRecord**>(device));
+}
+MPTP_API int mptp_put_signal(void* stream, uint32_t* const* addrs, int n, uint32_t value) {
+  return mptp::put_signal(stream, addrs, n, value);
+}
+MPTP_API int mptp_wait_signal(void* stream, const uint32_t* flags, int n, int stride, int skip,
+                              uint32_t value, uint64_t timeout_ns, int channel, int tag) {
+  return mptp::wait_signal(stream, flags, n, stride, skip, value, timeout_ns, channel, tag);
+}
+MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
+  return mptp::stream_wait_value(stream, addr, value);
+}
+MPTP_API int mptp_device_count(int* n) {
+  cudaError_t err = cudaGetDeviceCount(n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *n = 0;
+  }
+  return 0;
+}

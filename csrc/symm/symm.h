@@ -1,0 +1,47 @@
+// Symmetric memory: device buffers every rank of a group can map, signal pads,
+// stream-ordered signal and bounded wait. See mptp_kernels/symm/ for the
+// group-level logic (handle exchange, epochs, workspaces).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mptp {
+
+// What a timed-out wait leaves behind, in host-mapped memory so that Python can
+// read it without synchronizing the device. `failed` is 0 until the first
+// timeout of this process; later waits see it and return at once so that one
+// missing peer costs one timeout, not one per wait.
+struct ErrorRecord {
+  int32_t failed;
+  int32_t channel;
+  int32_t peer;
+  uint32_t expected;
+  uint32_t seen;
+  int32_t tag;
+};
+
+constexpr size_t kIpcHandleBytes = 64;
+
+int alloc(size_t bytes, void** ptr, size_t* granted);
+int free_buffer(void* ptr);
+int export_handle(void* ptr, void* handle_out);
+int import_handle(const void* handle, void** ptr);
+int close_handle(void* ptr);
+
+int error_record(ErrorRecord** host, ErrorRecord** device);
+
+// Writes `value` to each of `n` (possibly peer-mapped) addresses with stream
+// memory operations: no SM is used, so a waiter may occupy every SM.
+int put_signal(void* stream, uint32_t* const* addrs, int n, uint32_t value);
+
+// Blocks `stream` until every flag[i*stride] (i != skip) is >= value, or until
+// timeout_ns has passed, in which case the error record is filled in.
+int wait_signal(void* stream, const uint32_t* flags, int n, int stride, int skip, uint32_t value,
+                uint64_t timeout_ns, int channel, int tag);
+
+// Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
+// where the flag is written by this process's own copy stream.
+int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value);
+
+}  // namespace mptp

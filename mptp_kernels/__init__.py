@@ -1,0 +1,37 @@
+"""mptp_kernels: communication-overlapping matmuls for tensor-parallel PyTorch.
+
+Importing registers torch.ops.mptp.* (fused_all_gather_matmul,
+fused_all_gather_scaled_matmul, fused_matmul_reduce_scatter,
+fused_scaled_matmul_reduce_scatter).
+"""
+
+from . import _library  # noqa: F401  (registers torch.ops.mptp)
+from .ops import (
+    enable_symm_mem_for_group,
+    fused_all_gather_matmul,
+    fused_all_gather_scaled_matmul,
+    fused_matmul_reduce_scatter,
+    fused_scaled_matmul_reduce_scatter,
+    is_symm_mem_enabled_for_group,
+    restride_A_for_fused_matmul_reduce_scatter,
+    restride_A_shard_for_fused_all_gather_matmul,
+)
+
+try:
+    from . import _build_info as build_info
+except ImportError:  # running from a source tree that was never installed
+    build_info = None
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "build_info",
+    "enable_symm_mem_for_group",
+    "fused_all_gather_matmul",
+    "fused_all_gather_scaled_matmul",
+    "fused_matmul_reduce_scatter",
+    "fused_scaled_matmul_reduce_scatter",
+    "is_symm_mem_enabled_for_group",
+    "restride_A_for_fused_matmul_reduce_scatter",
+    "restride_A_shard_for_fused_all_gather_matmul",
+]

@@ -1,0 +1,62 @@
+"""The one registry of torch.ops.mptp.* schemas.
+
+Schemas are identical to PyTorch's newest torch.ops.symm_mem ones, so a call site
+or graph written for torch.ops.symm_mem.X works with torch.ops.mptp.X. Defined
+from Python so the namespace, the fakes and the FX pass exist without the
+compiled extension. Implementations:
+  * fake (register_fake): the reference code itself; under FakeTensorMode the
+    functional collectives it calls only compute shapes and strides, so the
+    fake's strides equal the reference's by construction;
+  * CPU: the reference (gloo);
+  * CUDA: ops.dispatch picks the fused path or the reference (NCCL).
+"""
+
+import torch
+
+from .ops import dispatch, reference
+
+_TAGS = (torch._C.Tag.needs_fixed_stride_order,)
+
+SCHEMAS = {
+    "fused_all_gather_matmul": (
+        "fused_all_gather_matmul(Tensor A, Tensor[] Bs, int gather_dim, str group_name, "
+        "*, bool return_A=True) -> (Tensor?, Tensor[])"
+    ),
+    "fused_all_gather_scaled_matmul": (
+        "fused_all_gather_scaled_matmul(Tensor A, Tensor[] Bs, Tensor A_scale, "
+        "Tensor[] B_scales, int gather_dim, str group_name, Tensor?[] biases, "
+        "Tensor?[] result_scales, ScalarType?[] out_dtypes, bool[] use_fast_accum) "
+        "-> (Tensor, Tensor[])"
+    ),
+    "fused_matmul_reduce_scatter": (
+        "fused_matmul_reduce_scatter(Tensor A, Tensor B, str reduce_op, int scatter_dim, "
+        "str group_name) -> Tensor"
+    ),
+    "fused_scaled_matmul_reduce_scatter": (
+        "fused_scaled_matmul_reduce_scatter(Tensor A, Tensor B, Tensor A_scale, Tensor B_scale, "
+        "str reduce_op, int orig_scatter_dim, int scatter_dim_after_maybe_reshape, "
+        "str group_name, SymInt[]? output_shape, Tensor? bias=None, Tensor? result_scale=None, "
+        "ScalarType? out_dtype=None, bool use_fast_accum=False) -> Tensor"
+    ),
+}
+
+_REFERENCE = {
+    "fused_all_gather_matmul": reference.all_gather_matmul,
+    "fused_all_gather_scaled_matmul": reference.all_gather_scaled_matmul,
+    "fused_matmul_reduce_scatter": reference.matmul_reduce_scatter,
+    "fused_scaled_matmul_reduce_scatter": reference.scaled_matmul_reduce_scatter,
+}
+
+_CUDA = {
+    "fused_all_gather_matmul": dispatch.all_gather_matmul,
+    "fused_all_gather_scaled_matmul": dispatch.all_gather_scaled_matmul,
+    "fused_matmul_reduce_scatter": dispatch.matmul_reduce_scatter,
+    "fused_scaled_matmul_reduce_scatter": dispatch.scaled_matmul_reduce_scatter,
+}
+
+lib = torch.library.Library("mptp", "DEF")
+for _name, _schema in SCHEMAS.items():
+    lib.define(_schema, tags=_TAGS)
+    lib.impl(_name, _REFERENCE[_name], "CPU")
+    lib.impl(_name, _CUDA[_name], "CUDA")
+    torch.library.register_fake(f"mptp::{_name}", _REFERENCE[_name], lib=lib)

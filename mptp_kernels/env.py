@@ -1,0 +1,54 @@
+"""Every MPTP_* environment variable, read in one place.
+
+MPTP_TIMEOUT_S       bound on every wait, in seconds (default 60).
+MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
+MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
+MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
+MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
+"""
+
+import logging
+import os
+
+logger = logging.getLogger("mptp_kernels")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("MPTP_TIMEOUT_S", "60"))
+
+
+def log_enabled() -> bool:
+    return _flag("MPTP_LOG")
+
+
+def fused_disabled() -> bool:
+    return _flag("MPTP_DISABLE_FUSED")
+
+
+def force_fused() -> bool:
+    return _flag("MPTP_FORCE_FUSED")
+
+
+def log(msg: str, *args) -> None:
+    """Logs at INFO when MPTP_LOG=1, at DEBUG otherwise."""
+    if log_enabled():
+        if not logger.handlers and not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="[mptp] %(message)s")
+        logger.setLevel(logging.INFO)
+        logger.info(msg, *args)
+    else:
+        logger.debug(msg, *args)
+
+
+_logged_once: set = set()
+
+
+def log_once(key, msg: str, *args) -> None:
+    if key in _logged_once:
+        return
+    _logged_once.add(key)
+    log(msg, *args)

@@ -1,0 +1,154 @@
+"""Public Python wrappers of the torch.ops.mptp ops, and PyTorch-named helpers."""
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+
+def _name(group: Union[str, "dist.ProcessGroup", None]) -> str:
+    if group is None:
+        group = dist.group.WORLD
+    return group if isinstance(group, str) else group.group_name
+
+
+def fused_all_gather_matmul(
+    A: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: Union[str, "dist.ProcessGroup", None] = None,
+    *,
+    return_A: bool = True,
+) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    """All-gather A along gather_dim, then multiply by each B, overlapped.
+
+    Args:
+        A: [*S, K] local shard (bf16/fp16/fp32), at least 2-D.
+        Bs: list of [K, N_i] weights, same dtype and device as A.
+        gather_dim: the dim of A to gather (S[gather_dim] grows by the world size).
+        group: process group or its group_name (default: the world).
+        return_A: also return the gathered A.
+
+    Returns:
+        (A_full or None, [A_full @ B_i]), A_full: [*S with S[gather_dim] * W, K].
+    """
+    return torch.ops.mptp.fused_all_gather_matmul(
+        A, list(Bs), gather_dim, _name(group), return_A=return_A
+    )
+
+
+def fused_all_gather_scaled_matmul(
+    A: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    A_scale: torch.Tensor,
+    B_scales: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: Union[str, "dist.ProcessGroup", None] = None,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    result_scales: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    out_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+    use_fast_accum: Optional[Sequence[bool]] = None,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """FP8 all-gather-matmul: `_scaled_mm(all_gather(A), B_i, A_scale, B_scales[i], ...)`.
+
+    Args:
+        A: [*S, K] float8_e4m3fn shard. A_scale: float32, one element
+            (tensor-wise), [*S[:-1], 1] (row-wise, sharded with A) or
+            [*A_full.shape[:-1], 1] (row-wise, replicated).
+        Bs: [K, N_i] float8_e4m3fn, column-major. B_scales: one element or [1, N_i].
+        biases, result_scales, out_dtypes, use_fast_accum: per-B lists (default
+            None / None / None / False).
+
+    Returns:
+        (A_full, [out_i]), out_i: [*A_full.shape[:-1], N_i] in out_dtypes[i].
+    """
+    n = len(Bs)
+    return torch.ops.mptp.fused_all_gather_scaled_matmul(
+        A, list(Bs), A_scale, list(B_scales), gather_dim, _name(group),
+        list(biases) if biases is not None else [None] * n,
+        list(result_scales) if result_scales is not None else [None] * n,
+        list(out_dtypes) if out_dtypes is not None else [None] * n,
+        list(use_fast_accum) if use_fast_accum is not None else [False] * n,
+    )  # fmt: skip
+
+
+def fused_matmul_reduce_scatter(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    reduce_op: str,
+    scatter_dim: int,
+    group: Union[str, "dist.ProcessGroup", None] = None,
+) -> torch.Tensor:
+    """reduce_scatter(A @ B) along scatter_dim, overlapped.
+
+    Args:
+        A: [*S, K] (bf16/fp16/fp32). B: [K, N], same dtype.
+        reduce_op: "sum" or "avg". scatter_dim: dim of the [*S, N] product to scatter.
+
+    Returns:
+        [*S, N] with dim scatter_dim divided by the world size, contiguous.
+    """
+    return torch.ops.mptp.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, _name(group))
+
+
+def fused_scaled_matmul_reduce_scatter(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    A_scale: torch.Tensor,
+    B_scale: torch.Tensor,
+    reduce_op: str,
+    scatter_dim: int,
+    group: Union[str, "dist.ProcessGroup", None] = None,
+    bias: Optional[torch.Tensor] = None,
+    result_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """FP8 matmul-reduce-scatter: reduce_scatter(_scaled_mm(A, B, A_scale, B_scale, ...)).
+
+    Args:
+        A: [*S, K] float8_e4m3fn; A_scale: one element or [*S, 1] float32.
+        B: [K, N] float8_e4m3fn column-major; B_scale: one element or [1, N].
+
+    Returns:
+        [*S, N] with dim scatter_dim divided by the world size, in out_dtype.
+    """
+    out_shape = [*A.shape[:-1], B.shape[1]]
+    return torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+        A, B, A_scale, B_scale, reduce_op, scatter_dim, scatter_dim, _name(group), out_shape,
+        bias, result_scale, out_dtype, use_fast_accum,
+    )  # fmt: skip
+
+
+def _contiguous_for_perm(t: torch.Tensor, perm: List[int]) -> torch.Tensor:
+    """Restrides t so that t.permute(perm) is contiguous (same values)."""
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return t.permute(perm).contiguous().permute(inv)
+
+
+def restride_A_shard_for_fused_all_gather_matmul(t: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """Restrides A so that gather_dim is outermost in memory (what the fused path copies)."""
+    perm = list(range(t.dim()))
+    perm.insert(0, perm.pop(gather_dim))
+    return _contiguous_for_perm(t, perm)
+
+
+def restride_A_for_fused_matmul_reduce_scatter(t: torch.Tensor, scatter_dim: int) -> torch.Tensor:
+    """Restrides A so that scatter_dim is outermost in memory (chunks are row blocks)."""
+    perm = list(range(t.dim()))
+    perm.insert(0, perm.pop(scatter_dim))
+    return _contiguous_for_perm(t, perm)
+
+
+_ENABLED_GROUPS: set = set()
+
+
+def enable_symm_mem_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> None:
+    """Lets the fused path (and the FX pass) use symmetric memory on this group."""
+    _ENABLED_GROUPS.add(_name(group_name))
+
+
+def is_symm_mem_enabled_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> bool:
+    return _name(group_name) in _ENABLED_GROUPS

@@ -1,0 +1,186 @@
+"""Reference implementations: functional collectives + matmul / _scaled_mm.
+
+They define the ops' semantics, serve as the test oracle's shape/stride model,
+run on any backend (gloo on CPU, NCCL on GPU) and are the fused path's
+fallback. They are also the fake implementations: under FakeTensorMode the
+functional collectives only compute metadata.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import validate
+from .validate import ScaleMode
+
+_funcol = torch.ops._c10d_functional
+
+
+def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    """Gathers `t` along dim 0. FP8 travels as bytes (gloo cannot send it)."""
+    t = t.contiguous()
+    if t.dtype in validate.FP8_DTYPES:
+        out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.view(torch.uint8), W, group_name))
+        return out.view(t.dtype)
+    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+
+
+def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, group_name: str):
+    """Reduce-scatters `t` along `scatter_dim`; the result is contiguous."""
+    if scatter_dim != 0:
+        # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
+        t = torch.cat(t.chunk(W, dim=scatter_dim), dim=0)
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t.contiguous(), "sum", W, group_name))
+    if reduce_op == "avg":
+        out = out / W
+    return out
+
+
+def _gather_dim_major(A_shard: torch.Tensor, gather_dim: int, W: int, group_name: str):
+    """All-gathers A_shard along gather_dim; returns it with gather_dim moved first.
+
+    A_shard: [*S] -> [W * S[gather_dim], *S without gather_dim], contiguous.
+    """
+    gathered = all_gather(A_shard, W, group_name)
+    return gathered.view(W, *A_shard.shape).movedim(gather_dim + 1, 1).flatten(0, 1)
+
+
+def all_gather_matmul(
+    A: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    *,
+    return_A: bool = True,
+):
+    """A_full = all_gather(A, gather_dim); returns (A_full or None, [A_full @ B for B in Bs]).
+
+    A: [*S, K] (N-D, >= 2 dims), the local shard; each B: [K, N_i] (or [W*K, N_i]
+    when gathering the last dim). Outputs: A_full [*S with S[gather_dim]*W, K] and
+    [*A_full.shape[:-1], N_i] in A's dtype.
+    """
+    W, gather_dim = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=False)
+    if gather_dim == A.dim() - 1:
+        A_mm = torch.cat(all_gather(A, W, group_name).chunk(W), dim=-1)
+        outs = [torch.matmul(A_mm, B) for B in Bs]
+        return (A_mm if return_A else None), outs
+    A_gm = _gather_dim_major(A, gather_dim, W, group_name)
+    outs = [torch.matmul(A_gm, B).movedim(0, gather_dim) for B in Bs]
+    return (A_gm.movedim(0, gather_dim) if return_A else None), outs
+
+
+def _scaled_mm_nd(A, B, A_scale, B_scale, bias, result_scale, out_dtype, use_fast_accum):
+    lead = A.shape[:-1]
+    out = torch._scaled_mm(
+        A.flatten(0, -2),
+        B,
+        A_scale,
+        B_scale,
+        bias=bias,
+        scale_result=result_scale,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    return out.unflatten(0, lead)
+
+
+def gathered_A_scale(A, A_scale, mode: ScaleMode, gather_dim: int, W: int, group_name: str):
+    """A_scale in the row order of the gather-dim-major, flattened A_full."""
+    if mode == ScaleMode.ROW_WISE_SHARDED:
+        s = all_gather(A_scale.contiguous(), W, group_name)
+        return s.view(W, *A_scale.shape).movedim(gather_dim + 1, 1).flatten(0, -2)
+    if mode == ScaleMode.ROW_WISE_REPLICATED:
+        return A_scale.movedim(gather_dim, 0).flatten(0, -2).contiguous()
+    return A_scale
+
+
+def all_gather_scaled_matmul(
+    A: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    A_scale: torch.Tensor,
+    B_scales: Sequence[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    biases: Sequence[Optional[torch.Tensor]],
+    result_scales: Sequence[Optional[torch.Tensor]],
+    out_dtypes: Sequence,
+    use_fast_accum: Sequence[bool],
+):
+    """The FP8 all-gather-matmul: `_scaled_mm(A_full, B_i, ...)` for each B; always returns A_full.
+
+    A: [*S, K] float8; A_scale: one element (tensor-wise), [*S[:-1]... , 1] matching
+    the shard (row-wise sharded, gathered with A) or matching A_full (row-wise
+    replicated), float32. Each B: [K, N_i] float8, column-major; B_scales[i]: one
+    element or [1, N_i] float32. Outputs: A_full and [*A_full.shape[:-1], N_i] in
+    out_dtypes[i] (default A's dtype as _scaled_mm defines it).
+    """
+    W, gather_dim = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=True)
+    mode = validate.all_gather_scaled_lists(
+        A, Bs, A_scale, B_scales, biases, result_scales, out_dtypes, use_fast_accum, gather_dim, W
+    )
+    out_dtypes = [validate.to_dtype(d) for d in out_dtypes]
+    A_gm = _gather_dim_major(A, gather_dim, W, group_name)
+    scale = gathered_A_scale(A, A_scale, mode, gather_dim, W, group_name)
+    outs = [
+        _scaled_mm_nd(A_gm, B, scale, bs, bias, rs, dt, fa).movedim(0, gather_dim)
+        for B, bs, bias, rs, dt, fa in zip(Bs, B_scales, biases, result_scales, out_dtypes, use_fast_accum)
+    ]
+    return A_gm.movedim(0, gather_dim), outs
+
+
+def matmul_reduce_scatter(
+    A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str
+) -> torch.Tensor:
+    """reduce_scatter(A @ B, reduce_op, scatter_dim).
+
+    A: [*S, K]; B: [K, N], same dtype. Output: [*S, N] with dim scatter_dim divided
+    by the world size, contiguous, A's dtype. reduce_op: "sum" or "avg".
+    """
+    W, scatter_dim = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, False)
+    return reduce_scatter(torch.matmul(A, B), reduce_op, scatter_dim, W, group_name)
+
+
+def scaled_matmul_reduce_scatter(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    A_scale: torch.Tensor,
+    B_scale: torch.Tensor,
+    reduce_op: str,
+    orig_scatter_dim: int,
+    scatter_dim_after_maybe_reshape: int,
+    group_name: str,
+    output_shape: Optional[List[int]],
+    bias: Optional[torch.Tensor] = None,
+    result_scale: Optional[torch.Tensor] = None,
+    out_dtype=None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """reduce_scatter(_scaled_mm(A, B, ...), reduce_op, orig_scatter_dim).
+
+    A: [*S, K] float8 (or already flattened to 2-D by a reshape, with the
+    original shape in output_shape = [*S, N]); A_scale: one element or
+    [*A.shape[:-1], 1]; B: [K, N] float8 column-major. Output: output_shape with
+    dim orig_scatter_dim divided by the world size, in out_dtype.
+    """
+    W, _ = validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
+    validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
+    out_dtype = validate.to_dtype(out_dtype)
+    if output_shape is None:
+        output_shape = [*A.shape[:-1], B.shape[1]]
+    output_shape = list(output_shape)
+    orig_scatter_dim = validate.norm_dim(orig_scatter_dim, len(output_shape), "orig_scatter_dim")
+    validate.check_divisible(output_shape, orig_scatter_dim, W, "orig_scatter_dim")
+    if A_scale.numel() > 1:
+        A_scale = A_scale.flatten(0, -2).contiguous()
+    C = torch._scaled_mm(
+        A.flatten(0, -2).contiguous(),
+        B,
+        A_scale,
+        B_scale,
+        bias=bias,
+        scale_result=result_scale,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    C = C.view(*output_shape[:-1], B.shape[1])
+    return reduce_scatter(C, reduce_op, orig_scatter_dim, W, group_name)

@@ -1,0 +1,177 @@
+"""Input validation shared by every implementation.
+
+NOTE: every check here is local (shapes, dtypes, devices, group lookup), so each
+rank raises the same error before any communication starts.
+"""
+
+from enum import Enum
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_REDUCE_OPS = ("sum", "avg")
+
+# c10/core/ScalarType.h order: out_dtypes arrive as these integers through the dispatcher.
+_SCALAR_TYPES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
+    5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool,
+    15: torch.bfloat16, 16: torch.float8_e5m2, 17: torch.float8_e4m3fn,
+}  # fmt: skip
+
+
+class ScaleMode(Enum):
+    TENSOR_WISE = "tensor-wise"
+    ROW_WISE_SHARDED = "row-wise-sharded"
+    ROW_WISE_REPLICATED = "row-wise-replicated"
+
+
+def to_dtype(x) -> Optional[torch.dtype]:
+    """Maps a ScalarType integer (or a dtype, or None) to a torch.dtype."""
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, int) and x in _SCALAR_TYPES:
+        return _SCALAR_TYPES[x]
+    raise ValueError(f"out_dtypes: unrecognized scalar type {x!r}")
+
+
+def group_size(group_name: str) -> int:
+    """World size of `group_name`; ValueError naming the group if it is unknown."""
+    if not isinstance(group_name, str):
+        raise ValueError(f"group_name: expected a str, got {type(group_name).__name__}")
+    try:
+        return c10d._get_group_size_by_name(group_name)
+    except Exception as e:  # noqa: BLE001 - c10d raises various types
+        raise ValueError(
+            f"group_name: no process group named {group_name!r} is registered ({e})"
+        ) from None
+
+
+def norm_dim(dim: int, ndim: int, arg: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{arg}: expected a dim in [{-ndim}, {ndim}), got {dim}")
+    return dim % ndim
+
+
+def _check_device(arg: str, t: Optional[torch.Tensor], device: torch.device) -> None:
+    if t is not None and t.device != device:
+        raise ValueError(f"{arg}: expected a tensor on {device} (A's device), got {t.device}")
+
+
+def _check_matmul_operands(A, B, arg_b: str, k_expected: int, same_dtype: bool) -> None:
+    if not isinstance(B, torch.Tensor) or B.dim() != 2:
+        shape = tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__
+        raise ValueError(f"{arg_b}: expected a 2-D tensor, got shape {shape}")
+    if B.shape[0] != k_expected:
+        raise ValueError(
+            f"{arg_b}: expected {k_expected} rows to match A's K dim, got shape {tuple(B.shape)}"
+        )
+    if same_dtype and B.dtype != A.dtype:
+        raise ValueError(f"{arg_b}: expected dtype {A.dtype} (A's dtype), got {B.dtype}")
+    _check_device(arg_b, B, A.device)
+
+
+def _check_A(A) -> None:
+    if not isinstance(A, torch.Tensor) or A.dim() < 2:
+        shape = tuple(A.shape) if isinstance(A, torch.Tensor) else type(A).__name__
+        raise ValueError(f"A: expected a tensor with at least 2 dims, got shape {shape}")
+
+
+def scale_mode(A_shard: torch.Tensor, A_scale: torch.Tensor, gather_dim: int, W: int) -> ScaleMode:
+    """The A_scale mode of the scaled all-gather-matmul, from its shape."""
+    full = list(A_shard.shape)
+    full[gather_dim] *= W
+    if tuple(A_scale.shape[:-1]) == tuple(A_shard.shape[:-1]) and A_scale.shape[-1:] == (1,):
+        # NOTE: ambiguous with a tensor-wise scale when every leading dim is 1;
+        # row-wise is the safe reading (PyTorch does the same).
+        return ScaleMode.ROW_WISE_SHARDED
+    if A_scale.numel() == 1:
+        return ScaleMode.TENSOR_WISE
+    if list(A_scale.shape[:-1]) == full[:-1] and A_scale.shape[-1:] == (1,):
+        return ScaleMode.ROW_WISE_REPLICATED
+    raise ValueError(
+        f"A_scale: expected shape {[*A_shard.shape[:-1], 1]} (row-wise sharded), "
+        f"{[*full[:-1], 1]} (row-wise replicated) or one element (tensor-wise), "
+        f"got {list(A_scale.shape)}"
+    )
+
+
+def all_gather_matmul(A, Bs: Sequence, gather_dim: int, group_name: str, scaled: bool) -> tuple:
+    """Checks the all-gather-matmul inputs; returns (world_size, normalized gather_dim)."""
+    _check_A(A)
+    W = group_size(group_name)
+    gather_dim = norm_dim(gather_dim, A.dim(), "gather_dim")
+    if len(Bs) == 0:
+        raise ValueError("Bs: expected at least one B, got an empty list")
+    k = A.shape[-1] * (W if gather_dim == A.dim() - 1 else 1)
+    for i, B in enumerate(Bs):
+        _check_matmul_operands(A, B, f"Bs[{i}]", k, same_dtype=not scaled)
+    if scaled:
+        if A.dtype not in FP8_DTYPES:
+            raise ValueError(f"A: expected a float8 dtype for the scaled op, got {A.dtype}")
+        for i, B in enumerate(Bs):
+            if B.dtype not in FP8_DTYPES:
+                raise ValueError(f"Bs[{i}]: expected a float8 dtype, got {B.dtype}")
+    return W, gather_dim
+
+
+def all_gather_scaled_lists(
+    A, Bs, A_scale, B_scales, biases, result_scales, out_dtypes, use_fast_accum, gather_dim, W
+) -> ScaleMode:
+    n = len(Bs)
+    for arg, lst in (
+        ("B_scales", B_scales),
+        ("biases", biases),
+        ("result_scales", result_scales),
+        ("out_dtypes", out_dtypes),
+        ("use_fast_accum", use_fast_accum),
+    ):
+        if len(lst) != n:
+            raise ValueError(f"{arg}: expected {n} entries (one per B), got {len(lst)}")
+    _check_device("A_scale", A_scale, A.device)
+    for i in range(n):
+        _check_device(f"B_scales[{i}]", B_scales[i], A.device)
+        _check_device(f"biases[{i}]", biases[i], A.device)
+        _check_device(f"result_scales[{i}]", result_scales[i], A.device)
+    if gather_dim == A.dim() - 1:
+        raise ValueError(
+            f"gather_dim: the scaled op cannot gather the last (K) dim, got {gather_dim}"
+        )
+    return scale_mode(A, A_scale, gather_dim, W)
+
+
+def matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_name: str, scaled: bool):
+    """Checks the matmul-reduce-scatter inputs; returns (world_size, normalized scatter_dim)."""
+    _check_A(A)
+    W = group_size(group_name)
+    if reduce_op not in _REDUCE_OPS:
+        raise ValueError(f"reduce_op: expected one of {_REDUCE_OPS}, got {reduce_op!r}")
+    _check_matmul_operands(A, B, "B", A.shape[-1], same_dtype=not scaled)
+    if scatter_dim is not None:  # the scaled op checks its output_shape itself
+        scatter_dim = norm_dim(scatter_dim, A.dim(), "scatter_dim")
+        check_divisible([*A.shape[:-1], B.shape[1]], scatter_dim, W, "scatter_dim")
+    if scaled:
+        for arg, t in (("A", A), ("B", B)):
+            if t.dtype not in FP8_DTYPES:
+                raise ValueError(f"{arg}: expected a float8 dtype for the scaled op, got {t.dtype}")
+    return W, scatter_dim
+
+
+def check_divisible(out_shape, dim: int, W: int, arg: str) -> None:
+    if out_shape[dim] % W != 0:
+        raise ValueError(
+            f"{arg}: the output dim {dim} has size {out_shape[dim]}, "
+            f"expected a multiple of the world size {W}"
+        )
+
+
+def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale) -> None:
+    for arg, t in (("A_scale", A_scale), ("B_scale", B_scale), ("bias", bias),
+                   ("result_scale", result_scale)):  # fmt: skip
+        _check_device(arg, t, A.device)
+    if A_scale.numel() != 1 and tuple(A_scale.shape[:-1]) != tuple(A.shape[:-1]):
+        raise ValueError(
+            f"A_scale: expected one element (tensor-wise) or shape {[*A.shape[:-1], 1]} "
+            f"(row-wise), got {list(A_scale.shape)}"
+        )

@@ -1,0 +1,78 @@
+"""Loads the compiled extension (a plain C ABI) with ctypes.
+
+NOTE: the library links cudart statically and never libcuda, so loading it
+works on machines without a GPU driver; CUDA calls fail there at run time.
+"""
+
+import ctypes
+import glob
+import os
+from typing import Optional
+
+_lib = None
+_why: Optional[str] = None
+
+
+def _find() -> Optional[str]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pattern in ("_C.so", "_C.*.so"):
+        hits = sorted(glob.glob(os.path.join(here, pattern)))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _declare(lib) -> None:
+    c = ctypes
+    sigs = {
+        "mptp_abi_version": (c.c_int, []),
+        "mptp_last_error": (c.c_char_p, []),
+        "mptp_ipc_handle_bytes": (c.c_int, []),
+        "mptp_driver_available": (c.c_int, []),
+        "mptp_alloc": (c.c_int, [c.c_size_t, c.POINTER(c.c_void_p), c.POINTER(c.c_size_t)]),
+        "mptp_free": (c.c_int, [c.c_void_p]),
+        "mptp_export_handle": (c.c_int, [c.c_void_p, c.c_void_p]),
+        "mptp_import_handle": (c.c_int, [c.c_void_p, c.POINTER(c.c_void_p)]),
+        "mptp_close_handle": (c.c_int, [c.c_void_p]),
+        "mptp_error_record": (c.c_int, [c.POINTER(c.c_void_p), c.POINTER(c.c_void_p)]),
+        "mptp_put_signal": (c.c_int, [c.c_void_p, c.POINTER(c.c_void_p), c.c_int, c.c_uint32]),
+        "mptp_wait_signal": (
+            c.c_int,
+            [c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_uint32, c.c_uint64,
+             c.c_int, c.c_int],
+        ),  # fmt: skip
+        "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
+        "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+
+
+def lib():
+    """The loaded library, or None (see why_unavailable())."""
+    global _lib, _why
+    if _lib is None and _why is None:
+        path = _find()
+        if path is None:
+            _why = "the CUDA extension mptp_kernels/_C.so was not built"
+        else:
+            try:
+                handle = ctypes.CDLL(path)
+                _declare(handle)
+                _lib = handle
+            except OSError as e:
+                _why = f"cannot load {path}: {e}"
+    return _lib
+
+
+def why_unavailable() -> Optional[str]:
+    lib()
+    return _why
+
+
+def check(rc: int, what: str) -> None:
+    """Raises RuntimeError with the extension's message when rc != 0."""
+    if rc != 0:
+        msg = _lib.mptp_last_error().decode(errors="replace") if _lib is not None else ""
+        raise RuntimeError(f"{what} failed: {msg}")

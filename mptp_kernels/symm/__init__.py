@@ -1,0 +1,1 @@
+"""Symmetric memory: buffers every rank of a group maps, signal pads, signal/wait, barriers."""

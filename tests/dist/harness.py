@@ -1,0 +1,96 @@
+"""A small persistent multi-process harness (one process per rank, gloo on CPU,
+NCCL or gloo on GPU). Like PyTorch's MultiProcContinuousTest: processes and the
+process group live across tests, so each test costs a round trip, not a spawn.
+Stable across torch 2.11-2.14, unlike the internal test classes.
+
+Workers(W).run(fn, *args) calls the module-level fn(*args) on every rank and
+returns the per-rank results; an exception on any rank becomes an
+AssertionError carrying every failing rank's traceback. Every wait is bounded.
+"""
+
+import os
+import queue
+import sys
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, store_path, backend, sys_path, env, tasks, results):
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    import mptp_kernels  # noqa: F401
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class Workers:
+    def __init__(self, world_size: int, backend: str = "gloo", env=None, timeout_s: float = 300):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        fd, self._store = tempfile.mkstemp(prefix="mptp_store_")
+        os.close(fd)
+        os.unlink(self._store)
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, self._store, backend, list(sys.path), dict(env or {}),
+                      self._tasks[r], self._results),  # fmt: skip
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout_s=None, **kwargs):
+        """Runs fn on every rank; returns [result of rank 0, ..., rank W-1]."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out, errors = [None] * self.world_size, {}
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=timeout_s or self.timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                raise AssertionError(
+                    f"{fn.__name__}: no answer within {timeout_s or self.timeout_s}s "
+                    f"(dead ranks: {dead})"
+                ) from None
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{msg}")
+        return out
+
+    def close(self):
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

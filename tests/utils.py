@@ -1,0 +1,23 @@
+"""Shared test helpers: seeded inputs and the tolerance rule."""
+
+import torch
+
+
+def randn(shape, seed, dtype=torch.float32, scale=1.0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_matmul_close(out, ref64, eager, k=2.0, atol=1e-6, what="output"):
+    """Tolerance rule: error vs float64 <= k * (error of the eager low-precision
+    result vs float64) + atol. Inputs are scaled so products stay O(1), so a
+    relative-norm atol is meaningful; NaN never passes."""
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    assert not torch.isnan(out.float()).any(), f"{what}: NaN"
+    e, e_eager = rel_err(out, ref64), rel_err(eager, ref64)
+    assert e <= k * e_eager + atol, f"{what}: rel err {e:.3e} > {k} * {e_eager:.3e} + {atol}"
