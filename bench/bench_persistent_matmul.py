@@ -1,0 +1,120 @@
+"""Persistent matmul (plain, and consumer with flags pre-set) vs cuBLAS / _scaled_mm.
+
+    python bench/bench_persistent_matmul.py [--quick] [--tune] [--out DIR]
+
+Rows go to bench/results/persistent_matmul.csv (and DIR if given); the script
+prints the geometric-mean ratio cuBLAS time / ours per dtype (>1: ours faster).
+"""
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, geomean  # noqa: E402
+
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def make(M, N, K, kind):
+    A = torch.randn(M, K, device="cuda") / 2
+    B = torch.randn(N, K, device="cuda") / K**0.5
+    if kind == "bf16":
+        return A.bfloat16(), B.bfloat16().t().contiguous(), None, None
+    A8, B8 = A.to(FP8), (B * 8).to(FP8).t()  # B column-major, as _scaled_mm wants
+    if kind == "fp8_tensor":
+        return A8, B8, torch.tensor(0.5, device="cuda"), torch.tensor(0.125, device="cuda")
+    return A8, B8, torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
+
+
+def providers(M, N, K, kind, cfg=None, W=8):
+    A, B, sa, sb = make(M, N, K, kind)
+    if kind == "bf16":
+        cublas = lambda: torch.mm(A, B)  # noqa: E731
+        kw = {}
+    else:
+        cublas = lambda: torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)  # noqa: E731
+        kw = dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16, fast_accum=True)
+    out = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16)]
+    flags = torch.ones(W, dtype=torch.int32, device="cuda")  # pre-set: all chunks arrived
+    order = torch.arange(W, dtype=torch.int32, device="cuda")
+    mine = lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, **kw)  # noqa: E731
+    cons = lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, num_chunks=W, order=order,  # noqa: E731
+                                        flags=flags, epoch=1, mode=pm.MODE_CONSUMER, **kw)
+    # Correctness guard: a fast wrong kernel is worthless.
+    ref = cublas().float()
+    got = mine()[0].float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"{kind} M={M} N={N} K={K}: rel err {err:.3e} vs cuBLAS"
+    return {"cublas": cublas, "mptp": mine, "mptp_consumer": cons}
+
+
+def tune(kinds, Ms, out_dir):
+    cands = [pm.Config(*c) for c in [
+        (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
+        (256, 128, 64, 8, 8, 3), (128, 256, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4),
+        (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4),
+    ]]  # fmt: skip
+    lines = []
+    for kind in kinds:
+        for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
+            base = bench_us(providers(M, N, K, kind, cands[0])["cublas"])
+            res = []
+            for c in cands:
+                if kind == "bf16" and c.BLOCK_K == 128 and c.num_stages > 3:
+                    continue
+                try:
+                    res.append((bench_us(providers(M, N, K, kind, c)["mptp"]), c))
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                    print(f"skip {c}: {type(e).__name__}")
+            t, c = min(res, key=lambda x: x[0])
+            lines.append(f"{kind} M={M} N={N} K={K} cublas={base:.1f}us best={t:.1f}us ratio={base / t:.3f} {c}")
+            print(lines[-1], flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "tune.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="M=8192 only")
+    p.add_argument("--tune", action="store_true", help="sweep configs instead of benchmarking")
+    p.add_argument("--kinds", default="bf16,fp8_tensor,fp8_row")
+    p.add_argument("--out", default=None, help="also copy the CSV here")
+    a = p.parse_args()
+    Ms = [8192] if a.quick else [4096, 8192, 16384]
+    kinds = a.kinds.split(",")
+    if a.tune:
+        return tune(kinds, Ms, a.out)
+    envc = env_columns()
+    rows, ratios = [], {k: [] for k in kinds}
+    for kind in kinds:
+        for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
+            fns = providers(M, N, K, kind)
+            times = {name: bench_us(fn) for name, fn in fns.items()}
+            for name, us in times.items():
+                rows.append({**envc, "dtype": "bf16" if kind == "bf16" else "fp8_e4m3",
+                             "scale": {"bf16": "none", "fp8_tensor": "tensor", "fp8_row": "row"}[kind],
+                             "M": M, "N": N, "K": K, "provider": name, "median_us": round(us, 2),
+                             "tflops": round(2 * M * N * K / us / 1e6, 1),
+                             "ratio_vs_cublas": round(times["cublas"] / us, 4)})  # fmt: skip
+            ratios[kind].append(times["cublas"] / times["mptp"])
+            print(f"{kind:10s} M={M:5d} N={N:5d} K={K:5d}  cublas {times['cublas']:8.1f}us  "
+                  f"mptp {times['mptp']:8.1f}us  consumer {times['mptp_consumer']:8.1f}us  "
+                  f"ratio {times['cublas'] / times['mptp']:.3f}", flush=True)  # fmt: skip
+    path = append_rows("persistent_matmul.csv", rows)
+    if a.out:
+        shutil.copy(path, os.path.join(a.out, "persistent_matmul.csv"))
+    print("\ngeometric mean of cuBLAS time / mptp time (>= 1.0 means at least cuBLAS speed):")
+    for kind, r in ratios.items():
+        print(f"  {kind:10s} {geomean(r):.3f}")
+
+
+if __name__ == "__main__":
+    main()

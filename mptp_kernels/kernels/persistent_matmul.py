@@ -1,0 +1,336 @@
+"""Persistent Triton matmul: plain, chunk-consuming and chunk-producing.
+
+One program per SM walks the output tiles in chunk order. A's (and C's) rows
+are split into W chunks of M // W rows; `order[i]` is the i-th chunk to compute.
+
+* plain    (MODE=0): no flags; one chunk.
+* consumer (MODE=1): before loading rows of chunk c the program waits (acquire)
+  until flags[c] >= epoch. NOTE: flags are written by copy-engine streams or
+  stream memory operations, never by another kernel, so spinning here cannot
+  deadlock even when this kernel holds every SM.
+* producer (MODE=2): after storing a tile of chunk c the program bumps
+  counters[c]; the program that stores the chunk's last tile resets the counter
+  and publishes flags[c] = epoch with release semantics.
+
+Up to three Bs share one launch (same A, same K); bf16/fp16 with fp32
+accumulation, FP8 e4m3 with tensor-wise or row-wise A/B scales, optional bias,
+out dtype bf16/fp16/fp32, fast accumulation switch.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_B = 3
+MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _wait_flag(flag_ptr, epoch, timeout_ns, err_ptr, chunk):
+    """Spins (acquire, system scope) until *flag_ptr >= epoch; bounded by timeout_ns.
+
+    On timeout it records (channel=-1, peer=chunk) in the error record and returns.
+    """
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if seen < epoch:
+        start = _globaltimer()
+        while seen < epoch:
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            if seen < epoch:
+                if _globaltimer() - start > timeout_ns:
+                    if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
+                        tl.store(err_ptr + 1, -1)
+                        tl.store(err_ptr + 2, chunk)
+                        tl.store(err_ptr + 3, epoch)
+                        tl.store(err_ptr + 4, seen)
+                    seen = epoch
+
+
+@triton.jit
+def _select(b, x0, x1, x2):
+    if b == 0:
+        r = x0
+    elif b == 1:
+        r = x1
+    else:
+        r = x2
+    return r
+
+
+@triton.jit
+def _persistent_matmul_kernel(
+    A, B0, B1, B2, C0, C1, C2, BIAS0, BIAS1, BIAS2, BS0, BS1, BS2, A_SCALE,
+    N0, N1, N2,
+    stride_b0k, stride_b0n, stride_b1k, stride_b1n, stride_b2k, stride_b2n,
+    M, K, stride_am, stride_ak,
+    order_ptr, flags_ptr, counters_ptr, epoch, timeout_ns, err_ptr,
+    NUM_CHUNKS: tl.constexpr, NUM_B: tl.constexpr, MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):  # fmt: skip
+    # A_SCALE_MODE / B_SCALE_MODE: 0 none, 1 tensor-wise (one float), 2 row-wise (per row / col).
+    pid = tl.program_id(0)
+    chunk_m = M // NUM_CHUNKS
+    pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
+    tiles_b0 = pid_m_per_chunk * tl.cdiv(N0, BLOCK_N)
+    tiles_b1 = pid_m_per_chunk * tl.cdiv(N1, BLOCK_N)
+    tiles_b2 = pid_m_per_chunk * tl.cdiv(N2, BLOCK_N)
+    tiles_per_chunk = tiles_b0
+    if NUM_B > 1:
+        tiles_per_chunk += tiles_b1
+    if NUM_B > 2:
+        tiles_per_chunk += tiles_b2
+    total = tiles_per_chunk * NUM_CHUNKS
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    ready_chunk = -1
+
+    for tile in range(pid, total, NUM_SMS):
+        idx = tile // tiles_per_chunk
+        t = tile - idx * tiles_per_chunk
+        chunk = tl.load(order_ptr + idx)
+        if MODE == 1:
+            if chunk != ready_chunk:
+                _wait_flag(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                ready_chunk = chunk
+        # Which B does this tile belong to?
+        b = 0
+        if NUM_B > 1:
+            if t >= tiles_b0:
+                t -= tiles_b0
+                b = 1
+                if NUM_B > 2:
+                    if t >= tiles_b1:
+                        t -= tiles_b1
+                        b = 2
+        N = _select(b, N0, N1, N2)
+        Bp = _select(b, B0, B1, B2)
+        Cp = _select(b, C0, C1, C2)
+        stride_bk = _select(b, stride_b0k, stride_b1k, stride_b2k)
+        stride_bn = _select(b, stride_b0n, stride_b1n, stride_b2n)
+        # Grouped swizzle inside the chunk for L2 reuse of A rows and B columns.
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group_size = GROUP_M * num_pid_n
+        group_id = t // group_size
+        first_m = group_id * GROUP_M
+        gm = min(pid_m_per_chunk - first_m, GROUP_M)
+        pid_m = first_m + (t % group_size) % gm
+        pid_n = (t % group_size) // gm
+
+        row_start = chunk * chunk_m
+        offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_m < row_start + chunk_m
+        col_mask = offs_n < N
+        offs_am = tl.where(row_mask, offs_m, row_start)
+        offs_bn = tl.where(col_mask, offs_n, 0)
+        a_ptrs = A + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = Bp + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_tiles):
+            k_mask = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if FAST_ACCUM:
+                acc = tl.dot(a, bt, acc, input_precision=INPUT_PRECISION)
+            else:
+                acc += tl.dot(a, bt, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        if A_SCALE_MODE == 1:
+            acc = acc * tl.load(A_SCALE)
+        elif A_SCALE_MODE == 2:
+            acc = acc * tl.load(A_SCALE + offs_am)[:, None]
+        if B_SCALE_MODE == 1:
+            acc = acc * tl.load(_select(b, BS0, BS1, BS2))
+        elif B_SCALE_MODE == 2:
+            acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
+        c_ptrs = Cp + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(Cp.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+        if MODE == 2:
+            # Publish the chunk once its last tile is stored (release orders the stores).
+            done = tl.atomic_add(counters_ptr + chunk, 1, sem="acq_rel", scope="gpu")
+            if done == tiles_per_chunk - 1:
+                tl.atomic_xchg(counters_ptr + chunk, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(flags_ptr + chunk, epoch, sem="release", scope="sys")
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+
+def persistent_matmul_configs() -> dict:
+    """Frozen configs per (dtype class, shape class), tuned on the H200 with flags pre-set.
+
+    NOTE: a kernel that waits on flags is never autotuned live (it would spin on
+    flags nobody sets); bench/tune_persistent_matmul.py regenerates this table.
+    """
+    return _CONFIGS
+
+
+_CONFIGS = {
+    # dtype class -> shape class -> config
+    "16bit": {
+        "large": Config(128, 256, 64, 8, 8, 3),
+        "small_n": Config(128, 128, 64, 8, 4, 4),
+    },
+    "fp8": {
+        "large": Config(128, 256, 128, 8, 8, 3),
+        "small_n": Config(128, 128, 128, 8, 4, 4),
+    },
+    "fp32": {"large": Config(64, 64, 32, 8, 4, 2), "small_n": Config(64, 64, 32, 8, 4, 2)},
+    # Small blocks for CPU interpreter runs and tiny problems.
+    "tiny": {"any": Config(32, 32, 32, 4, 4, 2)},
+}
+
+
+def pick_config(dtype: torch.dtype, M: int, Ns: Sequence[int], K: int) -> Config:
+    if M * max(Ns) <= 256 * 256 or _interpreting():
+        return _CONFIGS["tiny"]["any"]
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cls = "fp8"
+    elif dtype == torch.float32:
+        cls = "fp32"
+    else:
+        cls = "16bit"
+    return _CONFIGS[cls]["small_n" if max(Ns) <= 2048 else "large"]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_DUMMY = {}
+
+
+def _dummy(device, dtype=torch.float32):
+    key = (str(device), dtype)
+    if key not in _DUMMY:
+        _DUMMY[key] = torch.zeros(4, device=device, dtype=dtype)
+    return _DUMMY[key]
+
+
+def persistent_matmul(
+    A: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    *,
+    outs: Optional[List[torch.Tensor]] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    A_scale: Optional[torch.Tensor] = None,
+    B_scales: Optional[Sequence[torch.Tensor]] = None,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    fast_accum: bool = True,
+    num_chunks: int = 1,
+    order: Optional[torch.Tensor] = None,
+    flags: Optional[torch.Tensor] = None,
+    counters: Optional[torch.Tensor] = None,
+    epoch: int = 1,
+    mode: int = MODE_PLAIN,
+    timeout_s: float = 60.0,
+    err: Optional[torch.Tensor] = None,
+    config: Optional[Config] = None,
+    num_sms: Optional[int] = None,
+) -> List[torch.Tensor]:
+    """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
+
+    Args:
+        A: [M, K], row-major (stride(1) == 1 or any strides), bf16/fp16/fp32/fp8.
+        Bs: each [K, N_i], same dtype as A, any strides (FP8: column-major).
+        outs: optional preallocated [M, N_i] contiguous outputs.
+        out_dtype: output dtype (default A's dtype; FP8 inputs default to bf16).
+        A_scale: FP8 only; one element or [M] / [M, 1] float32 (row-wise).
+        B_scales: FP8 only; per B one element or [N_i] / [1, N_i] float32.
+        biases: per B None or [N_i].
+        num_chunks, order, flags, counters, epoch, mode: see the module docstring.
+        err: int32 [6] error record the consumer wait fills on timeout.
+    """
+    assert A.dim() == 2 and 1 <= len(Bs)
+    M, K = A.shape
+    assert M % num_chunks == 0, "M must be a multiple of num_chunks"
+    dev = A.device
+    fp8 = A.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8 else A.dtype
+    Ns = [B.shape[1] for B in Bs]
+    for B in Bs:
+        assert B.dim() == 2 and B.shape[0] == K and B.dtype == A.dtype and B.device == dev
+    if outs is None:
+        outs = [torch.empty(M, n, device=dev, dtype=out_dtype) for n in Ns]
+    cfg = config or pick_config(A.dtype, M, Ns, K)
+    sms = num_sms or (_num_sms(dev.index or 0) if dev.type == "cuda" else 4)
+    if order is None:
+        order = torch.arange(num_chunks, device=dev, dtype=torch.int32)
+    dummy_i = _dummy(dev, torch.int32)
+    flags = flags if flags is not None else dummy_i
+    counters = counters if counters is not None else dummy_i
+    err = err if err is not None else _dummy(dev, torch.int32)
+    a_mode = 0 if A_scale is None else (1 if A_scale.numel() == 1 else 2)
+    b_mode = 0
+    if B_scales is not None:
+        b_mode = 1 if all(s.numel() == 1 for s in B_scales) else 2
+        assert all((s.numel() == 1) == (b_mode == 1) for s in B_scales), "mixed B scale modes"
+    has_bias = biases is not None and any(b is not None for b in biases)
+    if has_bias:
+        assert all(b is not None for b in biases), "all or none of the Bs have a bias"
+    precision = "ieee" if A.dtype == torch.float32 else "tf32"
+    results = []
+    for g in range(0, len(Bs), MAX_B):
+        gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])
+        gS = list(B_scales[g : g + MAX_B]) if B_scales is not None else []
+        gBias = list(biases[g : g + MAX_B]) if has_bias else []
+        nb = len(gB)
+        pad = lambda lst, fill: lst + [fill] * (MAX_B - len(lst))  # noqa: E731
+        Bp, Cp = pad(gB, gB[0]), pad(gC, gC[0])
+        Np = pad([b.shape[1] for b in gB], 0)
+        Sp = pad([s.reshape(-1) for s in gS], _dummy(dev)) if gS else [_dummy(dev)] * MAX_B
+        biasp = pad(gBias, gBias[0]) if gBias else [_dummy(dev)] * MAX_B
+        tiles = num_chunks * triton.cdiv(M // num_chunks, cfg.BLOCK_M) * sum(
+            triton.cdiv(n, cfg.BLOCK_N) for n in Np[:nb]
+        )
+        grid = (max(1, min(sms, tiles)),)
+        _persistent_matmul_kernel[grid](
+            A, *Bp, *Cp, *biasp, *Sp,
+            A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
+            *Np,
+            Bp[0].stride(0), Bp[0].stride(1), Bp[1].stride(0), Bp[1].stride(1),
+            Bp[2].stride(0), Bp[2].stride(1),
+            M, K, A.stride(0), A.stride(1),
+            order, flags, counters, epoch, int(timeout_s * 1e9), err,
+            NUM_CHUNKS=num_chunks, NUM_B=nb, MODE=mode, HAS_BIAS=has_bias,
+            A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum,
+            INPUT_PRECISION=precision,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        results += gC
+    return results
