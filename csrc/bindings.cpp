@@ -27,12 +27,15 @@ MPTP_API int mptp_error_record(void** host, void** device) {
   return mptp::error_record(reinterpret_cast<mptp::ErrorRecord**>(host),
                             reinterpret_cast<mptp::ErrorRecord**>(device));
 }
-MPTP_API int mptp_put_signal(void* stream, uint32_t* const* addrs, int n, uint32_t value) {
-  return mptp::put_signal(stream, addrs, n, value);
+MPTP_API int mptp_signal(void* stream, uint32_t* const* slots_dev, int n) {
+  return mptp::signal(stream, slots_dev, n);
 }
-MPTP_API int mptp_wait_signal(void* stream, const uint32_t* flags, int n, int stride, int skip,
-                              uint32_t value, uint64_t timeout_ns, int channel, int tag) {
-  return mptp::wait_signal(stream, flags, n, stride, skip, value, timeout_ns, channel, tag);
+MPTP_API int mptp_wait(void* stream, const uint32_t* slots, uint32_t* expected, int n,
+                       uint32_t mask, uint64_t timeout_ns, int channel, int tag) {
+  return mptp::wait(stream, slots, expected, n, mask, timeout_ns, channel, tag);
+}
+MPTP_API int mptp_write_value(void* stream, uint32_t* addr, uint32_t value) {
+  return mptp::write_value(stream, addr, value);
 }
 MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
   return mptp::stream_wait_value(stream, addr, value);

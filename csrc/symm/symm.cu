@@ -31,32 +31,45 @@ __device__ __forceinline__ uint64_t globaltimer() {
   return t;
 }
 
-// One thread per flag. NOTE: this kernel spins only on flags that peers write
-// with stream memory operations (put_signal), never on flags a kernel writes,
-// and it occupies one tiny block, so it cannot starve the writer.
-__global__ void wait_kernel(const uint32_t* flags, int n, int stride, int skip, uint32_t value,
+__device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// One thread per peer: bump the peer's slot. Counting (not writing an epoch)
+// keeps a captured CUDA graph correct on every replay.
+__global__ void signal_kernel(uint32_t* const* slots, int n) {
+  int i = threadIdx.x;
+  if (i < n && slots[i] != nullptr) red_add_release_sys(slots[i], 1);
+}
+
+// One thread per peer p in `mask`: wait until slots[p] reaches expected[p] + 1,
+// then advance expected[p]. Both counters live in device memory, so CUDA-graph
+// replays keep counting. NOTE: it spins only on slots that peers bump and
+// occupies one small block, so it never starves the signaller.
+__global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
                             uint64_t timeout_ns, int channel, int tag, ErrorRecord* err) {
   int i = threadIdx.x;
-  if (i >= n || i == skip) return;
-  const uint32_t* f = flags + static_cast<size_t>(i) * stride;
+  if (i >= n || !((mask >> i) & 1u)) return;
+  uint32_t target = expected[i] + 1;
   uint64_t start = globaltimer();
   uint32_t seen;
-  // Signed difference so that epochs may wrap around 2^32.
-  while (static_cast<int32_t>((seen = ld_acquire_sys(f)) - value) < 0) {
-    if (*reinterpret_cast<volatile int32_t*>(&err->failed)) return;
+  // Signed difference so that counters may wrap around 2^32.
+  while (static_cast<int32_t>((seen = ld_acquire_sys(slots + i)) - target) < 0) {
+    if (*reinterpret_cast<volatile int32_t*>(&err->failed)) break;
     if (globaltimer() - start > timeout_ns) {
       if (atomicCAS(&err->failed, 0, 1) == 0) {
         err->channel = channel;
         err->peer = i;
-        err->expected = value;
+        err->expected = target;
         err->seen = seen;
         err->tag = tag;
         __threadfence_system();
       }
-      return;
+      break;
     }
     __nanosleep(128);
   }
+  expected[i] = target;
 }
 
 }  // namespace
@@ -112,26 +125,29 @@ int error_record(ErrorRecord** host, ErrorRecord** device) {
   return 0;
 }
 
-int put_signal(void* stream, uint32_t* const* addrs, int n, uint32_t value) {
-  const Driver* drv = driver();
-  if (drv == nullptr) return -1;
-  for (int i = 0; i < n; ++i) {
-    if (addrs[i] == nullptr) continue;
-    int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(addrs[i]), value,
-                                       kWriteDefault);
-    MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
-  }
+int signal(void* stream, uint32_t* const* slots_dev, int n) {
+  MPTP_CHECK(n > 0 && n <= 32, "signal: n must be in [1, 32]");
+  signal_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots_dev, n);
+  MPTP_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
 
-int wait_signal(void* stream, const uint32_t* flags, int n, int stride, int skip, uint32_t value,
-                uint64_t timeout_ns, int channel, int tag) {
-  MPTP_CHECK(n > 0 && n <= 1024, "wait_signal: n must be in [1, 1024]");
+int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
+         uint64_t timeout_ns, int channel, int tag) {
+  MPTP_CHECK(n > 0 && n <= 32, "wait: n must be in [1, 32]");
   ErrorRecord *host, *dev;
   MPTP_TRY(error_record(&host, &dev));
-  wait_kernel<<<1, n, 0, static_cast<cudaStream_t>(stream)>>>(flags, n, stride, skip, value,
-                                                              timeout_ns, channel, tag, dev);
+  wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots, expected, n, mask,
+                                                               timeout_ns, channel, tag, dev);
   MPTP_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int write_value(void* stream, uint32_t* addr, uint32_t value) {
+  const Driver* drv = driver();
+  if (drv == nullptr) return -1;
+  int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(addr), value, kWriteDefault);
+  MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
   return 0;
 }
 

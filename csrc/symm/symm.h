@@ -31,14 +31,19 @@ int close_handle(void* ptr);
 
 int error_record(ErrorRecord** host, ErrorRecord** device);
 
-// Writes `value` to each of `n` (possibly peer-mapped) addresses with stream
-// memory operations: no SM is used, so a waiter may occupy every SM.
-int put_signal(void* stream, uint32_t* const* addrs, int n, uint32_t value);
+// Adds 1 (release, system scope) to each slot in the device array slots_dev[n]
+// (null entries skipped). One small kernel.
+int signal(void* stream, uint32_t* const* slots_dev, int n);
 
-// Blocks `stream` until every flag[i*stride] (i != skip) is >= value, or until
-// timeout_ns has passed, in which case the error record is filled in.
-int wait_signal(void* stream, const uint32_t* flags, int n, int stride, int skip, uint32_t value,
-                uint64_t timeout_ns, int channel, int tag);
+// Blocks `stream` until slots[p] >= expected[p] + 1 for every p in `mask`, then
+// advances expected[p]; bounded by timeout_ns, after which the error record is
+// filled in and the stream goes on. One small kernel.
+int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
+         uint64_t timeout_ns, int channel, int tag);
+
+// cuStreamWriteValue32: no SM involved. Used for chunk-arrival flags that a
+// persistent kernel spins on while it may hold every SM.
+int write_value(void* stream, uint32_t* addr, uint32_t value);
 
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.

@@ -35,12 +35,12 @@ def _declare(lib) -> None:
         "mptp_import_handle": (c.c_int, [c.c_void_p, c.POINTER(c.c_void_p)]),
         "mptp_close_handle": (c.c_int, [c.c_void_p]),
         "mptp_error_record": (c.c_int, [c.POINTER(c.c_void_p), c.POINTER(c.c_void_p)]),
-        "mptp_put_signal": (c.c_int, [c.c_void_p, c.POINTER(c.c_void_p), c.c_int, c.c_uint32]),
-        "mptp_wait_signal": (
+        "mptp_signal": (c.c_int, [c.c_void_p, c.c_void_p, c.c_int]),
+        "mptp_wait": (
             c.c_int,
-            [c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_uint32, c.c_uint64,
-             c.c_int, c.c_int],
-        ),  # fmt: skip
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_uint32, c.c_uint64, c.c_int, c.c_int],
+        ),
+        "mptp_write_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
     }

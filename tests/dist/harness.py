@@ -24,7 +24,8 @@ def _worker(rank, world_size, store_path, backend, sys_path, env, tasks, results
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if backend == "nccl":
+    if torch.cuda.is_available():
+        # With fewer GPUs than ranks, ranks share GPUs (W processes on one GPU).
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
