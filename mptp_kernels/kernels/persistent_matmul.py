@@ -69,15 +69,31 @@ def _select(b, x0, x1, x2):
 
 
 @triton.jit
+def _select8(c, x0, x1, x2, x3, x4, x5, x6, x7):
+    if c < 4:
+        if c < 2:
+            r = x0 if c == 0 else x1
+        else:
+            r = x2 if c == 2 else x3
+    else:
+        if c < 6:
+            r = x4 if c == 4 else x5
+        else:
+            r = x6 if c == 6 else x7
+    return r
+
+
+@triton.jit
 def _persistent_matmul_kernel(
     A, B0, B1, B2, C0, C1, C2, BIAS0, BIAS1, BIAS2, BS0, BS1, BS2, A_SCALE,
+    D0, D1, D2, D3, D4, D5, D6, D7,
     N0, N1, N2,
     stride_b0k, stride_b0n, stride_b1k, stride_b1n, stride_b2k, stride_b2n,
     M, K, stride_am, stride_ak,
     order_ptr, flags_ptr, counters_ptr, epoch, timeout_ns, err_ptr,
     NUM_CHUNKS: tl.constexpr, NUM_B: tl.constexpr, MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr,
-    FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCATTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
@@ -161,7 +177,12 @@ def _persistent_matmul_kernel(
             acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
-        c_ptrs = Cp + offs_m[:, None] * N + offs_n[None, :]
+        if SCATTER:
+            # Chunk c's rows go to D_c (e.g. rank c's symmetric buffer), rows renumbered from 0.
+            Cp = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
+            c_ptrs = Cp + (offs_m - row_start)[:, None] * N + offs_n[None, :]
+        else:
+            c_ptrs = Cp + offs_m[:, None] * N + offs_n[None, :]
         tl.store(c_ptrs, acc.to(Cp.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
         if MODE == 2:
@@ -260,6 +281,7 @@ def persistent_matmul(
     err: Optional[torch.Tensor] = None,
     config: Optional[Config] = None,
     num_sms: Optional[int] = None,
+    scatter_to: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -273,6 +295,8 @@ def persistent_matmul(
         biases: per B None or [N_i].
         num_chunks, order, flags, counters, epoch, mode: see the module docstring.
         err: int32 [6] error record the consumer wait fills on timeout.
+        scatter_to: up to 8 tensors, one per chunk; chunk c's [M // num_chunks, N]
+            rows are stored to scatter_to[c] (contiguous) instead of outs (one B only).
     """
     assert A.dim() == 2 and 1 <= len(Bs)
     M, K = A.shape
@@ -284,6 +308,9 @@ def persistent_matmul(
     Ns = [B.shape[1] for B in Bs]
     for B in Bs:
         assert B.dim() == 2 and B.shape[0] == K and B.dtype == A.dtype and B.device == dev
+    if scatter_to is not None:
+        assert len(Bs) == 1 and len(scatter_to) == num_chunks <= 8
+        outs = [scatter_to[0]]
     if outs is None:
         outs = [torch.empty(M, n, device=dev, dtype=out_dtype) for n in Ns]
     cfg = config or pick_config(A.dtype, M, Ns, K)
@@ -321,6 +348,8 @@ def persistent_matmul(
         _persistent_matmul_kernel[grid](
             A, *Bp, *Cp, *biasp, *Sp,
             A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
+            *(list(scatter_to) + [scatter_to[0]] * (8 - len(scatter_to)) if scatter_to is not None
+              else [gC[0]] * 8),
             *Np,
             Bp[0].stride(0), Bp[0].stride(1), Bp[1].stride(0), Bp[1].stride(1),
             Bp[2].stride(0), Bp[2].stride(1),
@@ -328,7 +357,7 @@ def persistent_matmul(
             order, flags, counters, epoch, int(timeout_s * 1e9), err,
             NUM_CHUNKS=num_chunks, NUM_B=nb, MODE=mode, HAS_BIAS=has_bias,
             A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum,
-            INPUT_PRECISION=precision,
+            INPUT_PRECISION=precision, SCATTER=scatter_to is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -5,8 +5,13 @@ symmetric memory, the inputs qualify and the size heuristic says fusion wins;
 otherwise the reference path runs (NCCL) and the reason is logged once.
 """
 
+from collections import Counter
+
 from .. import env
 from . import reference
+
+# (op name, "fused" | "reference") -> number of calls; tests read it.
+PATH_COUNTS: Counter = Counter()
 
 
 def _fused():
@@ -20,13 +25,17 @@ def _fused():
 def _run(name: str, ref_fn, *args, **kwargs):
     if env.fused_disabled():
         env.log_once((name, "disabled"), "%s: MPTP_DISABLE_FUSED=1, using the reference path", name)
+        PATH_COUNTS[(name, "reference")] += 1
         return ref_fn(*args, **kwargs)
     fused, why = _fused()
     if fused is not None:
         impl, why = fused.plan(name, *args, **kwargs)
         if impl is not None:
+            PATH_COUNTS[(name, "fused")] += 1
+            env.log_once((name, "fused"), "%s: fused path", name)
             return impl()
     env.log_once((name, why), "%s: reference path (%s)", name, why)
+    PATH_COUNTS[(name, "reference")] += 1
     return ref_fn(*args, **kwargs)
 
 

@@ -1,6 +1,329 @@
-"""The fused CUDA path (symmetric memory + Triton). Filled in by the fused-ops work."""
+"""The fused CUDA path: symmetric memory + the persistent Triton matmul.
+
+All-gather-matmul on rank r of W (streams: main = the caller's, side = copies):
+    main: wait DONE(prev op) -> local shard into my symm buffer and into A_full
+          -> chunk flag[r] = 1 (memop) -> signal READY, wait READY (tiny kernels)
+    side: for p = r+1, r+2, ...: copy peer p's shard into A_full (copy engine),
+          flag[p] = 1 (memop) ; then signal DONE (I no longer read your buffers)
+    main: consumer matmul over chunks r, r+1, ... (waits on flag[c] per chunk)
+          -> flags = 0 -> join side
+Matmul-reduce-scatter on rank r:
+    main: wait DONE(prev op) -> producer matmul storing chunk c's rows straight
+          into slot r of rank c's symm buffer (over NVLink while computing)
+          -> signal READY, wait READY -> out = sum_p slot p of my buffer (fp32,
+          rank order) -> signal DONE
+NOTE: the matmul spins only on flags written by copy-engine memops of its own
+process; every cross-rank wait is a tiny kernel launched before the matmul
+holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
+Flags are reset to 0 after each call and the consumer waits for >= 1, so a
+captured CUDA graph stays correct on replay.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import env
+from ..kernels import persistent_matmul as pm
+from ..kernels.reduce import reduce_partials
+from ..symm import _C
+from ..symm import primitives as P
+from . import validate
+
+CH_READY, CH_DONE = 1, 2
+_FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+# Below this many FLOPs per rank the launch and signalling overhead beats any overlap.
+_MIN_FLOPS = 2 * 1024 * 1024 * 1024
+MAX_SCATTER_W = 8
+
+_TAG_AG = P.register_tag("fused_all_gather_matmul")
+_TAG_RS = P.register_tag("fused_matmul_reduce_scatter")
+
+
+class _State:
+    """Per-workspace extras: the side stream, chunk flags, whether DONE was ever signalled."""
+
+    def __init__(self, ws: P.SymmetricMemory):
+        self.ws = ws
+        self.side = torch.cuda.Stream(device=ws.device)
+        self.flags = torch.zeros(ws.world_size, dtype=torch.int32, device=ws.device)
+        self.primed = False
+        W, r = ws.world_size, ws.rank
+        # Chunk orders: all-gather consumes its own chunk first; reduce-scatter
+        # produces the next rank's chunk first and its own last.
+        self.ag_order = torch.tensor([(r + i) % W for i in range(W)], dtype=torch.int32, device=ws.device)
+        self.rs_order = torch.tensor([(r + 1 + i) % W for i in range(W)], dtype=torch.int32, device=ws.device)
+
+
+_STATES = {}
+
+
+def _state(ws: P.SymmetricMemory) -> _State:
+    st = _STATES.get(id(ws))
+    if st is None or st.ws is not ws:
+        st = _State(ws)
+        _STATES[id(ws)] = st
+    return st
+
+
+def _common_reason(A: torch.Tensor, group_name: str) -> Optional[str]:
+    if not A.is_cuda:
+        return "A is not a CUDA tensor"
+    if _C.lib() is None:
+        return _C.why_unavailable()
+    from . import is_symm_mem_enabled_for_group
+
+    if not is_symm_mem_enabled_for_group(group_name):
+        return f"group {group_name!r} is not enabled (mptp_kernels.enable_symm_mem_for_group)"
+    if A.dtype not in _FUSABLE:
+        return f"dtype {A.dtype} is not fused (bf16, fp16, float8_e4m3fn are)"
+    return None
+
+
+def _small(flops: float) -> bool:
+    return flops < _MIN_FLOPS and not env.force_fused()
+
+
+def _begin(ws: P.SymmetricMemory, st: _State, tag: int) -> None:
+    ws.check()
+    if st.primed:
+        # Every peer finished touching symmetric buffers in the previous op.
+        ws.wait_signal(CH_DONE, tag=tag)
+
+
+# -- all-gather-matmul ----------------------------------------------------------------------------
+
+
+def _scaled_launches(A_full, Bs, a_s, scaled, **kw):
+    """One launch per B for the scaled op (each B may differ in bias / dtype / accumulation)."""
+    _, _, B_scales, biases, out_dtypes, fast = scaled
+    outs = []
+    for i, B in enumerate(Bs):
+        outs += pm.persistent_matmul(
+            A_full, [B], A_scale=a_s, B_scales=[B_scales[i].float()],
+            biases=[biases[i]] if biases[i] is not None else None,
+            out_dtype=out_dtypes[i], fast_accum=fast[i], **kw,
+        )  # fmt: skip
+    return outs
+
+
+def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
+    """scaled: None, or (A_scale, mode, B_scales, biases, out_dtypes, fast_accum)."""
+    if W == 1:  # no communication: the matmul alone
+        K = A.shape[-1]
+        A2 = A.movedim(gather_dim, 0).contiguous().view(-1, K)
+        lead = list(A.movedim(gather_dim, 0).shape[:-1])
+        if scaled is None:
+            outs2 = pm.persistent_matmul(A2, Bs)
+        else:
+            a_s = scaled[0].float() if scaled[0].numel() == 1 else scaled[0].movedim(gather_dim, 0).contiguous().view(-1).float()
+            outs2 = _scaled_launches(A2, Bs, a_s, scaled)
+        outs = [o.view(*lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
+        A_ret = A2.clone().view(*lead, K).movedim(0, gather_dim) if return_A else None
+        return A_ret, outs
+    rank = torch.distributed.get_rank(P._group(group_name))
+    K = A.shape[-1]
+    A2 = A.movedim(gather_dim, 0).contiguous().view(-1, K)
+    rows = A2.shape[0]
+    full_lead = list(A.movedim(gather_dim, 0).shape[:-1])
+    full_lead[0] *= W
+    dev = A.device
+    scale_rows = None
+    nbytes = A2.numel() * A2.element_size()
+    if scaled is not None and scaled[1] == validate.ScaleMode.ROW_WISE_SHARDED:
+        scale_rows = scaled[0].movedim(gather_dim, 0).contiguous().view(-1).float()
+        nbytes = math.ceil(nbytes / 256) * 256 + rows * 4
+    ws = P.get_workspace(group_name, nbytes, dev)
+    st = _state(ws)
+    main = torch.cuda.current_stream(dev)
+    A_full = torch.empty(W * rows, K, device=dev, dtype=A.dtype)
+    chunks = list(A_full.view(torch.uint8).view(W, -1).unbind(0)) if A.element_size() == 1 else list(A_full.view(W, -1).unbind(0))
+    scale_full = torch.empty(W * rows, device=dev, dtype=torch.float32) if scale_rows is not None else None
+    off_scale = math.ceil(A2.numel() * A2.element_size() / 256) * 256
+
+    def my_slot(p):
+        buf = ws.buffers[p]
+        n = A2.numel() * A2.element_size()
+        return buf[:n]
+
+    _begin(ws, st, _TAG_AG)
+    a_bytes = A2.view(torch.uint8).view(-1) if A2.element_size() == 1 else A2.view(-1)
+    my_slot(rank).view(a_bytes.dtype).copy_(a_bytes)
+    chunks[rank].copy_(a_bytes)
+    if scale_rows is not None:
+        ws.buffers[rank][off_scale : off_scale + rows * 4].view(torch.float32).copy_(scale_rows)
+        scale_full[rank * rows : (rank + 1) * rows].copy_(scale_rows)
+    ws.write_value(st.flags[rank], 1)
+    ws.put_signal(CH_READY)
+    ws.wait_signal(CH_READY, tag=_TAG_AG)
+    st.side.wait_stream(main)
+    with torch.cuda.stream(st.side):
+        for i in range(1, W):
+            p = (rank + i) % W
+            if scale_rows is not None:
+                scale_full[p * rows : (p + 1) * rows].copy_(
+                    ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32), non_blocking=True
+                )
+            chunks[p].copy_(my_slot(p).view(chunks[p].dtype), non_blocking=True)
+            ws.write_value(st.flags[p], 1, stream=st.side)
+        ws.put_signal(CH_DONE, stream=st.side)
+    kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
+              timeout_s=env.timeout_s(), err=ws.err)  # fmt: skip
+    if scaled is None:
+        outs2 = pm.persistent_matmul(A_full, Bs, **kw)
+    else:
+        A_scale, mode = scaled[0], scaled[1]
+        if mode == validate.ScaleMode.ROW_WISE_SHARDED:
+            a_s = scale_full
+        elif mode == validate.ScaleMode.ROW_WISE_REPLICATED:
+            a_s = A_scale.movedim(gather_dim, 0).contiguous().view(-1).float()
+        else:
+            a_s = A_scale.float()
+        outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
+    st.flags.zero_()
+    main.wait_stream(st.side)
+    st.primed = True
+    A_full.record_stream(st.side)
+    if scale_full is not None:
+        scale_full.record_stream(st.side)
+    outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
+    A_ret = A_full.view(*full_lead, K).movedim(0, gather_dim) if return_A else None
+    return A_ret, outs
+
+
+def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None):
+    why = _common_reason(A, group_name)
+    if why:
+        return None, why
+    W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=scaled_args is not None)
+    if gd == A.dim() - 1:
+        return None, "gathering the last (K) dim is not fused"
+    if W > 32:
+        return None, f"world size {W} > 32"
+    if any(B.dtype != A.dtype for B in Bs):
+        return None, "Bs dtypes differ from A's"
+    M = A.numel() // A.shape[-1] * W
+    if _small(2 * M * A.shape[-1] * sum(B.shape[1] for B in Bs)):
+        return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
+    return (lambda: _ag_run(A, Bs, gd, group_name, return_A, W, scaled_args)), None
+
+
+# -- matmul-reduce-scatter ------------------------------------------------------------------------
+
+
+def _rs_run(A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None):
+    """scaled: None or (A_scale, B_scale, bias, out_dtype, fast_accum)."""
+    if W == 1:  # no communication: the matmul alone ("avg" over one rank is the identity)
+        A2 = A.reshape(-1, A.shape[-1])
+        if scaled is None:
+            (out,) = pm.persistent_matmul(A2, [B])
+        else:
+            A_scale, B_scale, bias, out_dtype, fast = scaled
+            a_s = A_scale.float() if A_scale.numel() == 1 else A_scale.reshape(-1).float()
+            (out,) = pm.persistent_matmul(A2, [B], A_scale=a_s, B_scales=[B_scale.float()],
+                                          biases=[bias] if bias is not None else None,
+                                          out_dtype=out_dtype, fast_accum=fast)  # fmt: skip
+        return out.view(*out_shape)
+    rank = torch.distributed.get_rank(P._group(group_name))
+    K, N = A.shape[-1], B.shape[1]
+    lead = list(out_shape[:-1])
+    A2 = A.movedim(scatter_dim, 0).contiguous().view(-1, K) if A.dim() > 2 or scatter_dim else A
+    M = A2.shape[0]
+    Mc = M // W
+    out_dtype = A.dtype if scaled is None else scaled[3]
+    elem = torch.empty((), dtype=out_dtype).element_size()
+    ws = P.get_workspace(group_name, W * Mc * N * elem, A.device)
+    st = _state(ws)
+    _begin(ws, st, _TAG_RS)
+    # Slot r of rank c's buffer receives our partial product of chunk c.
+    dests = [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)]
+    kw = dict(num_chunks=W, order=st.rs_order, scatter_to=dests)
+    if scaled is None:
+        pm.persistent_matmul(A2, [B], **kw)
+    else:
+        A_scale, B_scale, bias, _, fast = scaled
+        a_s = A_scale.float() if A_scale.numel() == 1 else A_scale.movedim(scatter_dim, 0).contiguous().view(-1).float()
+        pm.persistent_matmul(A2, [B], A_scale=a_s, B_scales=[B_scale.float()],
+                             biases=[bias] if bias is not None else None, out_dtype=out_dtype,
+                             fast_accum=fast, **kw)  # fmt: skip
+    ws.put_signal(CH_READY)
+    ws.wait_signal(CH_READY, tag=_TAG_RS)
+    mine = ws.buffers[rank][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)
+    sc_lead = list(lead)
+    sc_lead.insert(0, sc_lead.pop(scatter_dim))
+    sc_lead[0] //= W
+    out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
+    ws.put_signal(CH_DONE)
+    st.primed = True
+    out = out.view(*sc_lead, N).movedim(0, scatter_dim)
+    return out.contiguous() if scatter_dim else out
+
+
+def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_shape=None):
+    why = _common_reason(A, group_name)
+    if why:
+        return None, why
+    W, sd = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, scaled_args is not None)
+    if out_shape is None:
+        out_shape = [*A.shape[:-1], B.shape[1]]
+    if sd == len(out_shape) - 1:
+        return None, "scattering the last (N) dim is not fused"
+    if W > MAX_SCATTER_W:
+        return None, f"world size {W} > {MAX_SCATTER_W}"
+    if B.dtype != A.dtype:
+        return None, "B's dtype differs from A's"
+    M = A.numel() // A.shape[-1]
+    if _small(2 * M * A.shape[-1] * B.shape[1]):
+        return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
+    return (lambda: _rs_run(A, B, reduce_op, sd, group_name, W, out_shape, scaled_args)), None
+
+
+# -- entry point ----------------------------------------------------------------------------------
 
 
 def plan(name, *args, **kwargs):
     """Returns (callable, None) when the fused path serves this call, else (None, reason)."""
-    return None, "the fused path is not built yet"
+    if name == "fused_all_gather_matmul":
+        A, Bs, gather_dim, group_name = args
+        return _plan_ag(A, Bs, gather_dim, group_name, kwargs.get("return_A", True))
+    if name == "fused_all_gather_scaled_matmul":
+        A, Bs, A_scale, B_scales, gather_dim, group_name, biases, result_scales, out_dtypes, fast = args
+        if A.is_cuda and A.dtype not in (torch.float8_e4m3fn,):
+            return None, f"dtype {A.dtype} is not fused"
+        W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=True)
+        mode = validate.all_gather_scaled_lists(A, Bs, A_scale, B_scales, biases, result_scales,
+                                                out_dtypes, fast, gd, W)  # fmt: skip
+        if any(rs is not None for rs in result_scales):
+            return None, "result_scales are not fused"
+        dts = [validate.to_dtype(d) for d in out_dtypes]
+        if any(d not in (torch.bfloat16, torch.float16, torch.float32) for d in dts):
+            return None, "out dtype not in bf16/fp16/fp32 (None means fp8 output, not fused)"
+        if any(bs.numel() != 1 and tuple(bs.shape) != (1, B.shape[1]) for bs, B in zip(B_scales, Bs)):
+            return None, "B_scales must be one element or [1, N]"
+        if mode == validate.ScaleMode.TENSOR_WISE and any(bs.numel() != 1 for bs in B_scales):
+            return None, "tensor-wise A_scale needs tensor-wise B_scales (as _scaled_mm)"
+        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)))
+        return fn, why
+    if name == "fused_matmul_reduce_scatter":
+        A, B, reduce_op, scatter_dim, group_name = args
+        return _plan_rs(A, B, reduce_op, scatter_dim, group_name)
+    if name == "fused_scaled_matmul_reduce_scatter":
+        (A, B, A_scale, B_scale, reduce_op, orig_sd, sd_after, group_name, output_shape,
+         bias, result_scale, out_dtype, fast) = args  # fmt: skip
+        if A.is_cuda and A.dtype != torch.float8_e4m3fn:
+            return None, f"dtype {A.dtype} is not fused"
+        out_dtype = validate.to_dtype(out_dtype)
+        if result_scale is not None or out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None, "result_scale, or an fp8 output (out_dtype None), is not fused"
+        if output_shape is not None and list(output_shape[:-1]) != list(A.shape[:-1]):
+            return None, "A was reshaped (output_shape differs from A's leading dims)"
+        if B_scale.numel() != 1 and tuple(B_scale.shape) != (1, B.shape[1]):
+            return None, "B_scale must be one element or [1, N]"
+        if (A_scale.numel() == 1) != (B_scale.numel() == 1):
+            return None, "A and B scales must both be tensor-wise or both row-wise"
+        validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
+        return _plan_rs(A, B, reduce_op, orig_sd, group_name,
+                        (A_scale, B_scale, bias, out_dtype, fast), output_shape)  # fmt: skip
+    return None, f"unknown op {name}"

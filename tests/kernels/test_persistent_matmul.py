@@ -129,3 +129,28 @@ def test_consumer_waits_for_late_flags():
     torch.cuda.synchronize()
     ref = A.double() @ B.double()
     assert_matmul_close(C, ref, (A @ B), k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("W,M", [(2, 64), (4, 96)])
+def test_producer_scatters_chunks_to_their_owners(W, M):
+    K, N = 32, 40
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    dests = [torch.full((M // W, N), float("nan"), device=DEV, dtype=torch.float16) for _ in range(W)]
+    order = torch.tensor([(1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests)
+    ref = A.double().cpu() @ B.double().cpu()
+    eager = (A.float() @ B.float()).half()
+    for c in range(W):
+        rows = slice(c * M // W, (c + 1) * M // W)
+        assert_matmul_close(dests[c], ref[rows], eager[rows], k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_reduce_partials_fixed_order(dtype):
+    from mptp_kernels.kernels.reduce import reduce_partials
+
+    P = randn((3, 37, 29), SEED).to(DEV, dtype)
+    out = torch.full((37, 29), float("nan"), device=DEV, dtype=dtype)
+    reduce_partials(P, out, scale=0.5)
+    ref = P.double().cpu().sum(0) * 0.5
+    assert_matmul_close(out, ref, ref.to(dtype), k=2.0, atol=1e-6)
