@@ -153,6 +153,9 @@ def _persistent_matmul_kernel(
         col_mask = offs_n < N
         offs_am = tl.where(row_mask, offs_m, row_start)
         offs_bn = tl.where(col_mask, offs_n, 0)
+        # NOTE: without these hints the clamp above hides that B's columns are
+        # contiguous, and a row-major B is loaded element by element (25x slower).
+        offs_bn = tl.max_contiguous(tl.multiple_of(offs_bn, BLOCK_N), BLOCK_N)
         a_ptrs = A + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = Bp + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -213,16 +216,19 @@ def persistent_matmul_configs() -> dict:
 
 
 _CONFIGS = {
-    # dtype class -> shape class -> config
+    # dtype class -> N class -> config; from bench/results/tune_persistent_matmul_h200.txt
+    # (M = 8192, Llama-3 TP-8 shapes, H200, Triton 3.6).
     "16bit": {
         "large": Config(128, 256, 64, 8, 8, 3),
         "small_n": Config(128, 128, 64, 8, 4, 4),
+        "tiny_n": Config(128, 128, 64, 8, 4, 4),
     },
     "fp8": {
         "large": Config(128, 256, 128, 8, 8, 3),
-        "small_n": Config(128, 128, 128, 8, 4, 4),
+        "small_n": Config(128, 128, 128, 8, 8, 4),
+        "tiny_n": Config(64, 256, 64, 8, 4, 4),
     },
-    "fp32": {"large": Config(64, 64, 32, 8, 4, 2), "small_n": Config(64, 64, 32, 8, 4, 2)},
+    "fp32": {k: Config(64, 64, 32, 8, 4, 2) for k in ("large", "small_n", "tiny_n")},
     # Small blocks for CPU interpreter runs and tiny problems.
     "tiny": {"any": Config(32, 32, 32, 4, 4, 2)},
 }
@@ -237,7 +243,8 @@ def pick_config(dtype: torch.dtype, M: int, Ns: Sequence[int], K: int) -> Config
         cls = "fp32"
     else:
         cls = "16bit"
-    return _CONFIGS[cls]["small_n" if max(Ns) <= 2048 else "large"]
+    n = max(Ns)
+    return _CONFIGS[cls]["tiny_n" if n <= 1024 else ("small_n" if n <= 2048 else "large")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,7 +67,6 @@ def _ag(seed, shard_shape, gather_dim, ns, return_A, dtype):
         ref = A_full.double() @ B64
         eager = (A_full.cuda() @ B64.to("cuda", dtype)).cpu()
         assert_matmul_close(out, ref, eager, k=2.0, atol=1e-4, what=f"outs[{j}]")
-        ref_layout = torch.ops.mptp.fused_all_gather_matmul.default  # strides as the reference's
     _check_strides_vs_reference(A_out, outs, shards[r].to(dtype), [b.to(dtype) for b in Bs64], gather_dim, return_A)
 
 
@@ -75,9 +74,10 @@ def _check_strides_vs_reference(A_out, outs, shard, Bs, gather_dim, return_A):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = dist.group.WORLD.group_name
+    shard, Bs = shard.cuda(), [b.cuda() for b in Bs]
     with FakeTensorMode() as m:
         fa, fouts = torch.ops.mptp.fused_all_gather_matmul(
-            m.from_tensor(shard.cuda()), [m.from_tensor(b.cuda()) for b in Bs], gather_dim, g, return_A=return_A)
+            m.from_tensor(shard), [m.from_tensor(b) for b in Bs], gather_dim, g, return_A=return_A)
     for o, f in zip(outs, fouts):
         assert o.shape == f.shape and o.stride() == f.stride(), (o.stride(), f.stride())
     if return_A:

@@ -130,6 +130,9 @@ def test_cuda_graph_signal_wait_barrier_100_replays(gpu_workers):
 def _alloc_free_cycles(n):
     from mptp_kernels.symm import primitives as P
 
+    # Warm-up: the first cycle creates the context's IPC state and the host-mapped error record.
+    for _ in range(5):
+        P.SymmetricMemory(dist.group.WORLD, 4 << 20, torch.device("cuda", torch.cuda.current_device())).free()
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
     for _ in range(n):
