@@ -19,6 +19,7 @@ Flags are reset to 0 after each call and the consumer waits for >= 1, so a
 captured CUDA graph stays correct on replay.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -29,7 +30,7 @@ from ..kernels import persistent_matmul as pm
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
-from . import validate
+from . import reference, validate
 
 CH_READY, CH_DONE = 1, 2
 _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -192,7 +193,7 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     return A_ret, outs
 
 
-def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None):
+def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref=None):
     why = _common_reason(A, group_name)
     if why:
         return None, why
@@ -206,7 +207,9 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None):
     M = A.numel() // A.shape[-1] * W
     if _small(2 * M * A.shape[-1] * sum(B.shape[1] for B in Bs)):
         return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
-    return (lambda: _ag_run(A, Bs, gd, group_name, return_A, W, scaled_args)), None
+    if ref is None:
+        ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
+    return (lambda: _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled_args, *ref)), None
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
@@ -280,6 +283,44 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
     return (lambda: _rs_run(A, B, reduce_op, sd, group_name, W, out_shape, scaled_args)), None
 
 
+# -- layout ---------------------------------------------------------------------------------------
+
+_LAYOUTS = {}
+
+
+def _reference_layout(ref_fn, key, args):
+    """Shapes/strides the reference produces for these inputs (run on meta tensors, cached)."""
+    if key not in _LAYOUTS:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            out = ref_fn(*[[fake(t) for t in a] if isinstance(a, list) else fake(a) for a in args])
+        flat = out if isinstance(out, tuple) else (out,)
+        _LAYOUTS[key] = [[(t.shape, t.stride()) if t is not None else None
+                          for t in (x if isinstance(x, list) else [x])] for x in flat]  # fmt: skip
+    return _LAYOUTS[key]
+
+
+def _restride(t, layout):
+    """Returns t with the reference's strides (a copy only where they differ)."""
+    if t is None or t.stride() == layout[1]:
+        return t
+    out = torch.empty_strided(layout[0], layout[1], dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _key(*args):
+    return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor)
+                 else tuple(_key(x) for x in a) if isinstance(a, list) else a for a in args)  # fmt: skip
+
+
+def _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
+    A_ret, outs = _ag_run(A, Bs, gd, group_name, return_A, W, scaled)
+    (la,), lo = _reference_layout(ref_fn, _key(*ref_args), ref_args)
+    return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, l) for o, l in zip(outs, lo)]
+
+
 # -- entry point ----------------------------------------------------------------------------------
 
 
@@ -304,7 +345,9 @@ def plan(name, *args, **kwargs):
             return None, "B_scales must be one element or [1, N]"
         if mode == validate.ScaleMode.TENSOR_WISE and any(bs.numel() != 1 for bs in B_scales):
             return None, "tensor-wise A_scale needs tensor-wise B_scales (as _scaled_mm)"
-        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)))
+        ref = (reference.all_gather_scaled_matmul, (A, list(Bs), A_scale, list(B_scales), gd, group_name,
+               list(biases), list(result_scales), list(out_dtypes), list(fast)))  # fmt: skip
+        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)), ref)
         return fn, why
     if name == "fused_matmul_reduce_scatter":
         A, B, reduce_op, scatter_dim, group_name = args
