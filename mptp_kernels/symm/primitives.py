@@ -259,8 +259,7 @@ class SymmetricMemory:
 
     def write_value(self, flag: torch.Tensor, value: int, stream=None) -> None:
         """cuStreamWriteValue32 of `value` into the int32 element `flag` (no SM used)."""
-        _C.check(_lib().mptp_write_value(self._stream(stream), ctypes.c_void_p(flag.data_ptr()),
-                                         value & 0xFFFFFFFF), "write_value")  # fmt: skip
+        write_value(flag, value, stream or torch.cuda.current_stream(self.device))
 
     def check(self) -> None:
         check_errors(self.group_name, self.rank)
@@ -283,6 +282,13 @@ class SymmetricMemory:
         for p in (self._buf_ptrs[self.rank], self._pad_ptrs[self.rank]):
             _C.check(lib.mptp_free(ctypes.c_void_p(p)), "cudaFree")
         self._opened = []
+
+
+def write_value(flag: torch.Tensor, value: int, stream=None) -> None:
+    """cuStreamWriteValue32 of `value` into the int32 element `flag`, stream-ordered, no SM used."""
+    stream = stream or torch.cuda.current_stream(flag.device)
+    _C.check(_lib().mptp_write_value(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(flag.data_ptr()),
+                                     value & 0xFFFFFFFF), "write_value")  # fmt: skip
 
 
 _WORKSPACES: Dict[tuple, SymmetricMemory] = {}

@@ -1,0 +1,189 @@
+"""All-gather-matmul: fused (mptp) against the baselines, measured in the same run.
+
+Loopback (one GPU, one process):  python bench/bench_all_gather_matmul.py --mode loopback
+    W simulated ranks: the other W-1 shards live in separate buffers on this GPU
+    and reach A_full through the copy engine, chunk by chunk, exactly as a peer's
+    would; the consumer kernel waits on each chunk's flag. Providers:
+      mptp          copies on a side stream feeding the consumer kernel (overlapped)
+      matmul_only   our persistent kernel with all data present (flags pre-set)
+      cublas_only   torch.mm on the full A
+      comm_only     the W-1 copies alone
+      copy_cublas   copies, then torch.mm (the unfused pattern)
+    Target: mptp within 3% of max(matmul_only, comm_only).
+Real (one process per GPU):        torchrun --nproc-per-node 8 bench/bench_all_gather_matmul.py --mode real
+    Providers: mptp, nccl_cublas (all_gather_into_tensor + mm), symm_mem
+    (torch.ops.symm_mem.fused_all_gather_matmul), matmul_only, comm_only.
+Rows go to bench/results/all_gather_matmul.csv.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns  # noqa: E402
+
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.symm.primitives import write_value  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _inputs(M, N, K, kind):
+    A = torch.randn(M, K, device="cuda") / 2
+    B = torch.randn(N, K, device="cuda") / K**0.5
+    if kind == "bf16":
+        return A.bfloat16(), B.bfloat16().t().contiguous(), {}
+    A8, B8 = A.to(FP8), (B * 8).to(FP8).t()
+    if kind == "fp8_tensor":
+        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.125, device="cuda")
+    else:
+        sa, sb = torch.rand(M, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
+    return A8, B8, dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16, fast_accum=True)
+
+
+def loopback(W, M, N, K, kind):
+    A, B, kw = _inputs(M, N, K, kind)
+    rows = M // W
+    peers = [A[p * rows : (p + 1) * rows].clone() for p in range(W)]  # the simulated peers' buffers
+    A_full = torch.empty_like(A)
+    flags = torch.zeros(W, dtype=torch.int32, device="cuda")
+    order = torch.arange(W, dtype=torch.int32, device="cuda")  # rank 0's view: own chunk first
+    out = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16)]
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    ckw = dict(num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER, outs=out, **kw)
+
+    def copies(stream):
+        for p in range(1, W):
+            A_full[p * rows : (p + 1) * rows].copy_(peers[p], non_blocking=True)
+            write_value(flags[p], 1, stream)
+
+    def fused():
+        A_full[:rows].copy_(peers[0])
+        write_value(flags[0], 1, main)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            copies(side)
+        pm.persistent_matmul(A_full, [B], **ckw)
+        flags.zero_()
+        main.wait_stream(side)
+
+    ones = torch.ones(W, dtype=torch.int32, device="cuda")
+
+    def matmul_only():
+        pm.persistent_matmul(A, [B], **{**ckw, "flags": ones})
+
+    def cublas_only():
+        if kind == "bf16":
+            return torch.mm(A, B)
+        sa = kw["A_scale"].view(-1, 1) if kw["A_scale"].numel() > 1 else kw["A_scale"]
+        return torch._scaled_mm(A, B, sa, kw["B_scales"][0], out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def comm_only():
+        copies(main)
+
+    def copy_cublas():
+        copies(main)
+        cublas_only()
+
+    fused()
+    torch.cuda.synchronize()
+    got, ref = out[0].float(), cublas_only().float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"loopback result wrong: rel err {err:.3e}"
+    return {"mptp": fused, "matmul_only": matmul_only, "cublas_only": cublas_only,
+            "comm_only": comm_only, "copy_cublas": copy_cublas}  # fmt: skip
+
+
+def real(M, N, K, kind):
+    import torch.distributed as dist
+
+    import mptp_kernels
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    mptp_kernels.enable_symm_mem_for_group(g)
+    A, B, kw = _inputs(M // W, N, K, kind)
+    A_full = torch.randn(M, K, device="cuda").to(A.dtype)
+    fns = {}
+    if kind == "bf16":
+        fns["mptp"] = lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)
+        fns["nccl_cublas"] = lambda: torch.mm(torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_gather_into_tensor(A, W, g)), B)
+        fns["matmul_only"] = lambda: torch.mm(A_full, B)
+        fns["comm_only"] = lambda: dist.all_gather_into_tensor(A_full, A)
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            symm_mem.enable_symm_mem_for_group(g)
+            fns["symm_mem"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(A, [B], 0, g)
+            fns["symm_mem"]()
+        except Exception as e:  # noqa: BLE001
+            print(f"symm_mem unavailable: {type(e).__name__}: {e}")
+            fns.pop("symm_mem", None)
+    else:
+        sa = kw["A_scale"] if kw["A_scale"].numel() == 1 else kw["A_scale"][: M // W].view(-1, 1)
+        sa_full = kw["A_scale"] if kw["A_scale"].numel() == 1 else torch.rand(M, 1, device="cuda") + 0.5
+        sb = kw["B_scales"][0]
+
+        def gather8():
+            out = torch.ops._c10d_functional.all_gather_into_tensor(A.view(torch.uint8), W, g)
+            return torch.ops._c10d_functional.wait_tensor(out).view(FP8)
+
+        fns["mptp"] = lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
+            A, [B], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True])
+        fns["nccl_cublas"] = lambda: torch._scaled_mm(
+            gather8(), B, sa_full, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+        fns["matmul_only"] = lambda: torch._scaled_mm(
+            A_full, B, sa_full, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+        fns["comm_only"] = lambda: dist.all_gather_into_tensor(A_full.view(torch.uint8), A.view(torch.uint8))
+    return fns
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["loopback", "real"], default="loopback")
+    p.add_argument("--world-size", type=int, default=8, help="simulated ranks (loopback)")
+    p.add_argument("--Ms", default="4096,8192,16384")
+    p.add_argument("--kinds", default="bf16,fp8_row")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    envc = env_columns()
+    if a.mode == "real":
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        W = dist.get_world_size()
+    else:
+        W = a.world_size
+    rows = []
+    for kind, M, (N, K) in itertools.product(a.kinds.split(","), map(int, a.Ms.split(",")), LLAMA_TP8_NK):
+        fns = loopback(W, M, N, K, kind) if a.mode == "loopback" else real(M, N, K, kind)
+        t = {name: bench_us(fn) for name, fn in fns.items()}
+        for name, us in t.items():
+            rows.append({**envc, "world_size": W, "mode": a.mode, "dtype": kind, "M": M, "N": N, "K": K,
+                         "provider": name, "median_us": round(us, 2)})  # fmt: skip
+        if a.mode == "loopback":
+            bound = max(t["matmul_only"], t["comm_only"])
+            print(f"{kind:8s} W={W} M={M:5d} N={N:5d} K={K:5d} mptp {t['mptp']:8.1f}us  matmul_only "
+                  f"{t['matmul_only']:8.1f}  cublas {t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  "
+                  f"copy+cublas {t['copy_cublas']:8.1f}  overhead vs max(matmul,comm) "
+                  f"{100 * (t['mptp'] / bound - 1):+5.1f}%  speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}",
+                  flush=True)  # fmt: skip
+        else:
+            print(kind, M, N, K, {k: round(v, 1) for k, v in t.items()}, flush=True)
+    if not a.mode == "real" or torch.distributed.get_rank() == 0:
+        path = append_rows("all_gather_matmul.csv", rows)
+        if a.out:
+            import shutil
+
+            shutil.copy(path, os.path.join(a.out, "all_gather_matmul.csv"))
+
+
+if __name__ == "__main__":
+    main()
