@@ -6,6 +6,7 @@ fused_scaled_matmul_reduce_scatter).
 """
 
 from . import _library  # noqa: F401  (registers torch.ops.mptp)
+from .compile import disable_micro_pipeline_tp, enable_micro_pipeline_tp
 from .ops import (
     enable_symm_mem_for_group,
     fused_all_gather_matmul,
@@ -26,6 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "build_info",
+    "disable_micro_pipeline_tp",
+    "enable_micro_pipeline_tp",
     "enable_symm_mem_for_group",
     "fused_all_gather_matmul",
     "fused_all_gather_scaled_matmul",
