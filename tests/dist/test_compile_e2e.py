@@ -1,0 +1,101 @@
+"""torch.compile end to end on 2 gloo processes (CPU) with the mptp pass enabled.
+
+A tensor-parallel MLP built with DTensor's parallelize_module (column-parallel
+up, row-parallel down, sequence-parallel activations) and an FP8 _scaled_mm
+MLP written with functional collectives: the compiled result equals eager, and
+the generated code calls torch.ops.mptp.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils import randn
+
+FP8 = torch.float8_e4m3fn
+
+
+def _compile_and_code(fn, *args):
+    from torch._inductor.utils import run_and_get_code
+
+    import mptp_kernels
+
+    torch._dynamo.reset()
+    with mptp_kernels.enable_micro_pipeline_tp():
+        compiled = torch.compile(fn, fullgraph=True)
+        out, codes = run_and_get_code(compiled, *args)
+    return out, "\n".join(codes)
+
+
+def _tp_mlp(seed, seq_dim):
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import mptp_kernels
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (W,))
+    mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
+    torch.manual_seed(seed)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(32, 64, bias=False)
+            self.down = nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    model = MLP()
+    parallelize_module(model, mesh, {
+        "up": ColwiseParallel(input_layouts=Shard(seq_dim)),
+        "down": RowwiseParallel(output_layouts=Shard(seq_dim)),
+    })  # fmt: skip
+    full = randn((2, 8 * W, 32), seed + 1) if seq_dim == 1 else randn((8 * W, 32), seed + 1)
+    x = full.chunk(W, dim=seq_dim)[r].contiguous()
+    with torch.no_grad():
+        eager = model(x)
+        out, code = _compile_and_code(model, x)
+    eager = eager.to_local() if hasattr(eager, "to_local") else eager
+    out = out.to_local() if hasattr(out, "to_local") else out
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+    assert "mptp.fused_all_gather_matmul" in code, "the all-gather was not fused"
+    assert "mptp.fused_matmul_reduce_scatter" in code, "the reduce-scatter was not fused"
+
+
+@pytest.mark.parametrize("seq_dim", [0, 1])
+def test_tp_mlp_compiled_with_pass(workers2, seq_dim):
+    workers2.run(_tp_mlp, 1234, seq_dim, timeout_s=900)
+
+
+def _fp8_mlp(seed):
+    import mptp_kernels
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    mptp_kernels.enable_symm_mem_for_group(g)
+    c10d = torch.ops._c10d_functional
+    x = randn((8, 32), seed + r, scale=0.5).to(FP8)
+    w_up = randn((64, 32), seed + 10).to(FP8)  # [N, K]: w_up.t() is column-major
+    w_down = randn((32, 64), seed + 11).to(FP8)
+    one = torch.tensor(1.0)
+
+    def mlp(x, w_up, w_down, s):
+        A = c10d.wait_tensor(c10d.all_gather_into_tensor(x.view(torch.uint8), W, g)).view(FP8)
+        h = torch._scaled_mm(A, w_up.t(), s, s, out_dtype=torch.bfloat16)
+        h8 = torch.relu(h).to(FP8)
+        y = torch._scaled_mm(h8, w_down.t(), s, s, out_dtype=torch.bfloat16)
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", W, g))
+
+    eager = mlp(x, w_up, w_down, one)
+    out, code = _compile_and_code(mlp, x, w_up, w_down, one)
+    torch.testing.assert_close(out.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    assert "mptp.fused_all_gather_scaled_matmul" in code
+    assert "mptp.fused_scaled_matmul_reduce_scatter" in code
+
+
+def test_fp8_mlp_compiled_with_pass(workers2):
+    workers2.run(_fp8_mlp, 99, timeout_s=900)
