@@ -2,6 +2,12 @@ import os
 import sys
 
 import pytest
+import torch
+
+# NOTE: Triton picks the interpreter when a kernel module is imported, so this
+# must be set before any test module imports mptp_kernels.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
