@@ -16,7 +16,6 @@ Real (one process per GPU):        torchrun --nproc-per-node 8 bench/bench_all_g
 Rows go to bench/results/all_gather_matmul.csv.
 """
 
-import argparse
 import itertools
 import os
 import sys
@@ -24,7 +23,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns  # noqa: E402
+from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases  # noqa: E402
+
+from bench_persistent_matmul import make  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm.primitives import write_value  # noqa: E402
@@ -33,16 +34,11 @@ FP8 = torch.float8_e4m3fn
 
 
 def _inputs(M, N, K, kind):
-    A = torch.randn(M, K, device="cuda") / 2
-    B = torch.randn(N, K, device="cuda") / K**0.5
+    """(A, B, kwargs of persistent_matmul) for one benchmark case."""
+    A, B, sa, sb = make(M, N, K, kind)
     if kind == "bf16":
-        return A.bfloat16(), B.bfloat16().t().contiguous(), {}
-    A8, B8 = A.to(FP8), (B * 8).to(FP8).t()
-    if kind == "fp8_tensor":
-        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.125, device="cuda")
-    else:
-        sa, sb = torch.rand(M, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
-    return A8, B8, dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16, fast_accum=True)
+        return A, B, {}
+    return A, B, dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16, fast_accum=True)
 
 
 def loopback(W, M, N, K, kind):
@@ -80,7 +76,7 @@ def loopback(W, M, N, K, kind):
     def cublas_only():
         if kind == "bf16":
             return torch.mm(A, B)
-        sa = kw["A_scale"].view(-1, 1) if kw["A_scale"].numel() > 1 else kw["A_scale"]
+        sa = kw["A_scale"]
         return torch._scaled_mm(A, B, sa, kw["B_scales"][0], out_dtype=torch.bfloat16, use_fast_accum=True)
 
     def comm_only():
@@ -116,17 +112,10 @@ def real(M, N, K, kind):
             torch.ops._c10d_functional.all_gather_into_tensor(A, W, g)), B)
         fns["matmul_only"] = lambda: torch.mm(A_full, B)
         fns["comm_only"] = lambda: dist.all_gather_into_tensor(A_full, A)
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            symm_mem.enable_symm_mem_for_group(g)
-            fns["symm_mem"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(A, [B], 0, g)
-            fns["symm_mem"]()
-        except Exception as e:  # noqa: BLE001
-            print(f"symm_mem unavailable: {type(e).__name__}: {e}")
-            fns.pop("symm_mem", None)
+        fns["mptp_args"] = (A, [B], 0, g)
+        add_symm_mem(fns, "fused_all_gather_matmul", g)
     else:
-        sa = kw["A_scale"] if kw["A_scale"].numel() == 1 else kw["A_scale"][: M // W].view(-1, 1)
+        sa = kw["A_scale"] if kw["A_scale"].numel() == 1 else kw["A_scale"][: M // W]
         sa_full = kw["A_scale"] if kw["A_scale"].numel() == 1 else torch.rand(M, 1, device="cuda") + 0.5
         sb = kw["B_scales"][0]
 
@@ -145,44 +134,28 @@ def real(M, N, K, kind):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["loopback", "real"], default="loopback")
-    p.add_argument("--world-size", type=int, default=8, help="simulated ranks (loopback)")
-    p.add_argument("--Ms", default="4096,8192,16384")
-    p.add_argument("--kinds", default="bf16,fp8_row")
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a, W = parse_fused_args((("--kinds", {"default": "bf16,fp8_row"}),))
     envc = env_columns()
-    if a.mode == "real":
-        import torch.distributed as dist
+    cases = [{"world_size": W, "mode": a.mode, "dtype": kind, "M": M, "N": N, "K": K}
+             for kind, M, (N, K) in itertools.product(a.kinds.split(","), map(int, a.Ms.split(",")), LLAMA_TP8_NK)]
 
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        W = dist.get_world_size()
-    else:
-        W = a.world_size
-    rows = []
-    for kind, M, (N, K) in itertools.product(a.kinds.split(","), map(int, a.Ms.split(",")), LLAMA_TP8_NK):
-        fns = loopback(W, M, N, K, kind) if a.mode == "loopback" else real(M, N, K, kind)
-        t = {name: bench_us(fn) for name, fn in fns.items()}
-        for name, us in t.items():
-            rows.append({**envc, "world_size": W, "mode": a.mode, "dtype": kind, "M": M, "N": N, "K": K,
-                         "provider": name, "median_us": round(us, 2)})  # fmt: skip
+    def make(c):
         if a.mode == "loopback":
-            bound = max(t["matmul_only"], t["comm_only"])
-            print(f"{kind:8s} W={W} M={M:5d} N={N:5d} K={K:5d} mptp {t['mptp']:8.1f}us  matmul_only "
-                  f"{t['matmul_only']:8.1f}  cublas {t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  "
-                  f"copy+cublas {t['copy_cublas']:8.1f}  overhead vs max(matmul,comm) "
-                  f"{100 * (t['mptp'] / bound - 1):+5.1f}%  speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}",
-                  flush=True)  # fmt: skip
-        else:
-            print(kind, M, N, K, {k: round(v, 1) for k, v in t.items()}, flush=True)
-    if not a.mode == "real" or torch.distributed.get_rank() == 0:
-        path = append_rows("all_gather_matmul.csv", rows)
-        if a.out:
-            import shutil
+            return loopback(W, c["M"], c["N"], c["K"], c["dtype"])
+        return real(c["M"], c["N"], c["K"], c["dtype"])
 
-            shutil.copy(path, os.path.join(a.out, "all_gather_matmul.csv"))
+    def summarize(c, t):
+        head = f"{c['dtype']:10s} W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
+        if a.mode != "loopback":
+            return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
+        bound = max(t["matmul_only"], t["comm_only"])
+        return (f"{head} mptp {t['mptp']:8.1f}us  matmul_only {t['matmul_only']:8.1f}  cublas "
+                f"{t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  copy+cublas {t['copy_cublas']:8.1f}  "
+                f"vs max(matmul,comm) {100 * (t['mptp'] / bound - 1):+5.1f}%  "
+                f"speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}")  # fmt: skip
+
+    write = a.mode != "real" or torch.distributed.get_rank() == 0
+    run_cases("all_gather_matmul.csv", cases, make, envc, summarize, a.out, write)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Real (one process per GPU):        torchrun --nproc-per-node 8 bench/bench_matmu
 Rows go to bench/results/matmul_reduce_scatter.csv.
 """
 
-import argparse
 import itertools
 import os
 import sys
@@ -24,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns  # noqa: E402
+from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.kernels.reduce import reduce_partials  # noqa: E402
@@ -82,54 +81,30 @@ def real(M, N, K):
         "matmul_only": lambda: torch.mm(A, B),
         "comm_only": lambda: dist.reduce_scatter_tensor(out, C),
     }
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.enable_symm_mem_for_group(g)
-        fns["symm_mem"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(A, B, "sum", 0, g)
-        fns["symm_mem"]()
-    except Exception as e:  # noqa: BLE001
-        print(f"symm_mem unavailable: {type(e).__name__}: {e}")
-        fns.pop("symm_mem", None)
+    fns["mptp_args"] = (A, B, "sum", 0, g)
+    add_symm_mem(fns, "fused_matmul_reduce_scatter", g)
     return fns
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["loopback", "real"], default="loopback")
-    p.add_argument("--world-size", type=int, default=8, help="simulated ranks (loopback)")
-    p.add_argument("--Ms", default="4096,8192,16384")
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a, W = parse_fused_args(())
     envc = env_columns()
-    if a.mode == "real":
-        import torch.distributed as dist
+    cases = [{"world_size": W, "mode": a.mode, "dtype": "bf16", "M": M, "N": N, "K": K}
+             for M, (N, K) in itertools.product(map(int, a.Ms.split(",")), LLAMA_TP8_NK)]
 
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        W = dist.get_world_size()
-    else:
-        W = a.world_size
-    rows = []
-    for M, (N, K) in itertools.product(map(int, a.Ms.split(",")), LLAMA_TP8_NK):
-        fns = loopback(W, M, N, K) if a.mode == "loopback" else real(M, N, K)
-        t = {name: bench_us(fn) for name, fn in fns.items()}
-        for name, us in t.items():
-            rows.append({**envc, "world_size": W, "mode": a.mode, "dtype": "bf16", "M": M, "N": N, "K": K,
-                         "provider": name, "median_us": round(us, 2)})  # fmt: skip
-        if a.mode == "loopback":
-            print(f"bf16 W={W} M={M:5d} N={N:5d} K={K:5d} mptp {t['mptp']:8.1f}us  matmul_only "
-                  f"{t['matmul_only']:8.1f}  cublas {t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  "
-                  f"copy+cublas {t['copy_cublas']:8.1f}  speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}",
-                  flush=True)  # fmt: skip
-        else:
-            print(M, N, K, {k: round(v, 1) for k, v in t.items()}, flush=True)
-    if a.mode != "real" or torch.distributed.get_rank() == 0:
-        path = append_rows("matmul_reduce_scatter.csv", rows)
-        if a.out:
-            import shutil
+    def make(c):
+        return loopback(W, c["M"], c["N"], c["K"]) if a.mode == "loopback" else real(c["M"], c["N"], c["K"])
 
-            shutil.copy(path, os.path.join(a.out, "matmul_reduce_scatter.csv"))
+    def summarize(c, t):
+        head = f"bf16 W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
+        if a.mode != "loopback":
+            return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
+        return (f"{head} mptp {t['mptp']:8.1f}us  matmul_only {t['matmul_only']:8.1f}  cublas "
+                f"{t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  copy+cublas {t['copy_cublas']:8.1f}  "
+                f"speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}")  # fmt: skip
+
+    write = a.mode != "real" or torch.distributed.get_rank() == 0
+    run_cases("matmul_reduce_scatter.csv", cases, make, envc, summarize, a.out, write)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,62 @@ def append_rows(name: str, rows: list) -> str:
 def geomean(xs) -> float:
     xs = [x for x in xs if x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def run_cases(csv_name, cases, make_fns, columns, summarize, out_dir=None, write=True):
+    """Times every provider of every case; appends one CSV row per (case, provider).
+
+    cases: iterable of dicts (the case's own columns); make_fns(case) -> {provider: fn};
+    summarize(case, times) -> the line printed for the case.
+    """
+    rows = []
+    for case in cases:
+        times = {name: bench_us(fn) for name, fn in make_fns(case).items()}
+        for name, us in times.items():
+            rows.append({**columns, **case, "provider": name, "median_us": round(us, 2)})
+        print(summarize(case, times), flush=True)
+    if write and rows:
+        path = append_rows(csv_name, rows)
+        if out_dir:
+            import shutil
+
+            shutil.copy(path, os.path.join(out_dir, csv_name))
+    return rows
+
+
+def parse_fused_args(extra=()):
+    """Arguments shared by the fused-op benchmarks; initializes NCCL in real mode. Returns (args, W)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["loopback", "real"], default="loopback")
+    p.add_argument("--world-size", type=int, default=8, help="simulated ranks (loopback)")
+    p.add_argument("--Ms", default="4096,8192,16384")
+    p.add_argument("--out", default=None)
+    for flag, kw in extra:
+        p.add_argument(flag, **kw)
+    a = p.parse_args()
+    if a.mode == "real":
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        return a, dist.get_world_size()
+    return a, a.world_size
+
+
+def add_symm_mem(fns, name, group_name):
+    """Adds PyTorch's torch.ops.symm_mem.<name> as a provider where it runs."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group_name)
+        fn = fns["mptp_args"]
+        op = getattr(torch.ops.symm_mem, name)
+        fns["symm_mem"] = lambda: op(*fn)
+        fns["symm_mem"]()
+    except Exception as e:  # noqa: BLE001 - report and go on without it
+        print(f"torch.ops.symm_mem.{name} unavailable: {type(e).__name__}: {e}")
+        fns.pop("symm_mem", None)
+    fns.pop("mptp_args", None)
+    return fns

@@ -418,28 +418,28 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
     rep = _Report()
     _retarget_symm_mem(graph, rep)
     reorder = bool(getattr(torch._inductor.config, "reorder_for_compute_comm_overlap", False))
-    ags = [n for n in graph.nodes if n.target is _c10d.all_gather_into_tensor.default]
-    rss = [n for n in graph.nodes if n.target is _c10d.reduce_scatter_tensor.default]
-    for ag in ags:
-        m = _match_all_gather(ag)
-        if m is None:
-            rep.reject("all-gather", ag, "its users do not form a known all-gather pattern")
-        elif reorder and _hidden_by_independent_matmul(ag, graph):
-            rep.reject("all-gather", ag, "already hidden by an independent matmul (reorder_for_compute_comm_overlap)")
-        else:
-            _fuse_all_gather(graph, m, rep)
-    for rs in rss:
-        m = _match_reduce_scatter(rs)
-        if m is None:
-            rep.reject("reduce-scatter", rs, "no wait_tensor follows it")
-        elif reorder and _hidden_by_independent_matmul(rs, graph):
-            rep.reject("reduce-scatter", rs, "already hidden by an independent matmul (reorder_for_compute_comm_overlap)")
-        else:
-            _fuse_reduce_scatter(graph, m, rep)
+    kinds = [
+        ("all-gather", _c10d.all_gather_into_tensor.default, _match_all_gather, _fuse_all_gather,
+         "its users do not form a known all-gather pattern"),
+        ("reduce-scatter", _c10d.reduce_scatter_tensor.default, _match_reduce_scatter, _fuse_reduce_scatter,
+         "no wait_tensor follows it"),
+    ]  # fmt: skip
+    total = 0
+    for what, target, match, fuse, no_match in kinds:
+        colls = [n for n in graph.nodes if n.target is target]
+        total += len(colls)
+        for coll in colls:
+            m = match(coll)
+            if m is None:
+                rep.reject(what, coll, no_match)
+            elif reorder and _hidden_by_independent_matmul(coll, graph):
+                rep.reject(what, coll, "already hidden by an independent matmul (reorder_for_compute_comm_overlap)")
+            else:
+                fuse(graph, m, rep)
     graph.lint()
-    if rep.fused == 0 and (ags or rss):
+    if rep.fused == 0 and total:
         warnings.warn(
-            f"mptp micro-pipeline pass is enabled but fused none of {len(ags) + len(rss)} collectives "
+            f"mptp micro-pipeline pass is enabled but fused none of {total} collectives "
             "in this graph (MPTP_LOG=1 says why)",
             stacklevel=2,
         )
