@@ -45,6 +45,14 @@ def providers(M, N, K, kind, cfg=None, W=8):
     flags = torch.ones(W, dtype=torch.int32, device="cuda")  # pre-set: all chunks arrived
     order = torch.arange(W, dtype=torch.int32, device="cuda")
     mine = lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, **kw)  # noqa: E731
+
+    def pointer_kernel():
+        pm.USE_TMA = False
+        try:
+            pm.persistent_matmul(A, [B], outs=out, config=cfg, **kw)
+        finally:
+            pm.USE_TMA = True
+
     cons = lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, num_chunks=W, order=order,  # noqa: E731
                                         flags=flags, epoch=1, mode=pm.MODE_CONSUMER, **kw)
     # Correctness guard: a fast wrong kernel is worthless.
@@ -52,7 +60,7 @@ def providers(M, N, K, kind, cfg=None, W=8):
     got = mine()[0].float()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < 2e-2, f"{kind} M={M} N={N} K={K}: rel err {err:.3e} vs cuBLAS"
-    return {"cublas": cublas, "mptp": mine, "mptp_consumer": cons}
+    return {"cublas": cublas, "mptp": mine, "mptp_consumer": cons, "mptp_pointer": pointer_kernel}
 
 
 def tune(kinds, Ms, out_dir):
@@ -107,6 +115,7 @@ def main():
             ratios[kind].append(times["cublas"] / times["mptp"])
             print(f"{kind:10s} M={M:5d} N={N:5d} K={K:5d}  cublas {times['cublas']:8.1f}us  "
                   f"mptp {times['mptp']:8.1f}us  consumer {times['mptp_consumer']:8.1f}us  "
+                  f"pointer-kernel {times['mptp_pointer']:8.1f}us  "
                   f"ratio {times['cublas'] / times['mptp']:.3f}", flush=True)  # fmt: skip
     path = append_rows("persistent_matmul.csv", rows)
     if a.out:

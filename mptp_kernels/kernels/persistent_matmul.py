@@ -196,6 +196,92 @@ def _persistent_matmul_kernel(
                 tl.atomic_xchg(flags_ptr + chunk, epoch, sem="release", scope="sys")
 
 
+@triton.jit
+def _persistent_matmul_tma_kernel(
+    a_desc, b_desc, C, A_SCALE, BS, BIAS, M, N, K,
+    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr,
+    NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):  # fmt: skip
+    """One B, TMA (tensor-descriptor) loads; otherwise the same walk as _persistent_matmul_kernel.
+
+    NOTE: a tile may load rows past its chunk (another chunk's, maybe not yet
+    arrived); they only feed output rows that the masked store drops.
+    """
+    pid = tl.program_id(0)
+    chunk_m = M // NUM_CHUNKS
+    pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_chunk = pid_m_per_chunk * num_pid_n
+    total = tiles_per_chunk * NUM_CHUNKS
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ready_chunk = -1
+    for tile in range(pid, total, NUM_SMS):
+        idx = tile // tiles_per_chunk
+        t = tile - idx * tiles_per_chunk
+        chunk = tl.load(order_ptr + idx)
+        if MODE == 1:
+            if chunk != ready_chunk:
+                _wait_flag(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                ready_chunk = chunk
+        group_size = GROUP_M * num_pid_n
+        first_m = (t // group_size) * GROUP_M
+        gm = min(pid_m_per_chunk - first_m, GROUP_M)
+        pid_m = first_m + (t % group_size) % gm
+        pid_n = (t % group_size) // gm
+        row_start = chunk * chunk_m
+        off_m = row_start + pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            off_k = kk * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if FAST_ACCUM:
+                acc = tl.dot(a, b, acc)
+            else:
+                acc += tl.dot(a, b)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        row_mask = offs_m < row_start + chunk_m
+        col_mask = offs_n < N
+        if A_SCALE_MODE == 1:
+            acc = acc * tl.load(A_SCALE)
+        elif A_SCALE_MODE == 2:
+            acc = acc * tl.load(A_SCALE + offs_m, mask=row_mask, other=0.0)[:, None]
+        if B_SCALE_MODE == 1:
+            acc = acc * tl.load(BS)
+        elif B_SCALE_MODE == 2:
+            acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = C + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _tma_ok(A, B, outs, biases, scatter_to, mode) -> bool:
+    """The TMA kernel serves one B, no scatter, 16-byte aligned rows, on a GPU."""
+    if _interpreting() or not A.is_cuda or scatter_to is not None or mode == MODE_PRODUCER:
+        return False
+    if USE_TMA is False:
+        return False
+    es = A.element_size()
+    if A.stride(1) != 1 or (A.stride(0) * es) % 16 or A.data_ptr() % 16:
+        return False
+    if B.stride(1) == 1:
+        return (B.stride(0) * es) % 16 == 0 and B.data_ptr() % 16 == 0
+    return B.stride(0) == 1 and (B.stride(1) * es) % 16 == 0 and B.data_ptr() % 16 == 0
+
+
+# Set to False to force the pointer-based kernel (bench/bench_persistent_matmul.py compares both).
+USE_TMA = True
+
+
 @dataclass(frozen=True)
 class Config:
     BLOCK_M: int
@@ -337,6 +423,17 @@ def persistent_matmul(
     if has_bias:
         assert all(b is not None for b in biases), "all or none of the Bs have a bias"
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
+    if len(Bs) == 1 and A.dtype != torch.float32 and _tma_ok(A, Bs[0], outs, biases, scatter_to, mode):
+        try:
+            return _launch_tma(A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s,
+                               err, A_scale, B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum)
+        except Exception as e:  # noqa: BLE001 - e.g. a Triton without tensor descriptors
+            global USE_TMA
+            USE_TMA = False
+            from .. import env
+
+            env.log_once(("tma", type(e).__name__), "persistent_matmul: TMA kernel unavailable (%s); "
+                         "using the pointer kernel", e)  # fmt: skip
     results = []
     for g in range(0, len(Bs), MAX_B):
         gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])
@@ -370,3 +467,30 @@ def persistent_matmul(
         )  # fmt: skip
         results += gC
     return results
+
+
+def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
+                biases, a_mode, b_mode, fast_accum):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = A.shape
+    N = B.shape[1]
+    dev = A.device
+    a_desc = TensorDescriptor.from_tensor(A, [cfg.BLOCK_M, cfg.BLOCK_K])
+    kmajor = B.stride(1) != 1
+    b_desc = (TensorDescriptor.from_tensor(B.t(), [cfg.BLOCK_N, cfg.BLOCK_K]) if kmajor
+              else TensorDescriptor.from_tensor(B, [cfg.BLOCK_K, cfg.BLOCK_N]))  # fmt: skip
+    tiles = num_chunks * triton.cdiv(M // num_chunks, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    grid = (max(1, min(sms, tiles)),)
+    _persistent_matmul_tma_kernel[grid](
+        a_desc, b_desc, C,
+        A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
+        B_scales[0].reshape(-1) if B_scales is not None else _dummy(dev),
+        biases[0] if biases is not None else _dummy(dev),
+        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err,
+        NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
+        B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return [C]
