@@ -162,6 +162,7 @@ class _AllGather:
     gather_dim: int
     group_name: str
     nodes: list  # everything between ag and res, res last
+    view_dtype: Optional[torch.dtype] = None  # type-erased FP8: the dtype the bytes are viewed as
 
 
 def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
@@ -206,21 +207,25 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
         dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
         nodes.append(cat)
         res = _skip_aliases(cat, nodes)
+        view_dtype = pieces[0][0].args[1] if pieces[0][0].target is aten.view.dtype else None
         if len(res.users) == 1 and next(iter(res.users)).target is aten.view.dtype:
             res = next(iter(res.users))
+            view_dtype = res.args[1]
             nodes.append(res)
         res = _skip_aliases(res, nodes)
         ndim = _val(res).dim() if _val(res) is not None else None
         if ndim is not None:
             dim %= ndim
-        return _AllGather(ag, wait, res, shard, dim, group_name, nodes)
+        return _AllGather(ag, wait, res, shard, dim, group_name, nodes, view_dtype)
     res = wait
     nodes = [ag, wait]
+    view_dtype = None
     if len(users) == 1 and users[0].target is aten.view.dtype:
         res = users[0]
+        view_dtype = res.args[1]
         nodes.append(res)
     res = _skip_aliases(res, nodes)
-    return _AllGather(ag, wait, res, shard, 0, group_name, nodes)
+    return _AllGather(ag, wait, res, shard, 0, group_name, nodes, view_dtype)
 
 
 @dataclass
@@ -314,9 +319,9 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather, rep: _Report) -> None:
 
             stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
             shard = graph.call_function(inductor_prims.force_stride_order, (shard, stride))
-        if m.res.target is aten.view.dtype:
+        if m.view_dtype is not None:
             # Type-erased FP8: the shard travels as bytes; view it back first.
-            shard = graph.call_function(aten.view.dtype, (shard, m.res.args[1]))
+            shard = graph.call_function(aten.view.dtype, (shard, m.view_dtype))
         Bs = [mm.B for mm in matmuls]
         if not scaled:
             fused = graph.call_function(torch.ops.mptp.fused_all_gather_matmul.default,

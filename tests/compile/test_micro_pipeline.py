@@ -279,3 +279,30 @@ def test_enable_disable_changes_cache_key_and_chains(pg1):
         assert uuid_on != cfg.post_grad_custom_post_pass.uuid()
     finally:
         cfg.post_grad_custom_post_pass = old
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_scaled_reduce_scatter_3d_reshape(group, scatter_dim):
+    def f(A, B, sa, sb, W):
+        C = torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(4, 8, 16)
+        return _rs(C, W, group, scatter_dim)
+
+    args = (torch.randn(4, 8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    gm = _trace(lambda *a: f(*a, 4), *args)
+    assert _run_pass(gm) == 1
+    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_scaled_matmul_reduce_scatter.default)
+    assert fused.args[5] == scatter_dim and list(fused.args[8]) == [4, 8, 16]
+    _check_numerics(lambda *a: f(*a, 1), args)
+
+
+def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
+    def f(shard, B, sa, sb):
+        A = _ag(shard.view(torch.uint8), 1, group).view(FP8)
+        return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(2, 3, 16)
+
+    args = (torch.randn(2, 3, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.rand(6, 1) + 0.5, torch.rand(1, 16) + 0.5)
+    gm = _trace(f, *args)
+    ref = gm(*args)
+    assert _run_pass(gm) == 1
+    gm.recompile()
+    torch.testing.assert_close(gm(*args).float(), ref.float())
