@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases  # noqa: E402
+from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
 
 from bench_persistent_matmul import make  # noqa: E402
 
@@ -141,18 +141,23 @@ def main():
 
     def make(c):
         if a.mode == "loopback":
-            return loopback(W, c["M"], c["N"], c["K"], c["dtype"])
+            return with_graphs(loopback(W, c["M"], c["N"], c["K"], c["dtype"]))
         return real(c["M"], c["N"], c["K"], c["dtype"])
 
     def summarize(c, t):
         head = f"{c['dtype']:10s} W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
         if a.mode != "loopback":
             return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
-        bound = max(t["matmul_only"], t["comm_only"])
-        return (f"{head} mptp {t['mptp']:8.1f}us  matmul_only {t['matmul_only']:8.1f}  cublas "
-                f"{t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  copy+cublas {t['copy_cublas']:8.1f}  "
-                f"vs max(matmul,comm) {100 * (t['mptp'] / bound - 1):+5.1f}%  "
-                f"speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}")  # fmt: skip
+        parts = []
+        for sfx in ("@graph", ""):
+            if f"mptp{sfx}" not in t:
+                continue
+            bound = max(t[f"matmul_only{sfx}"], t[f"comm_only{sfx}"])
+            parts.append(f"{sfx or '@eager'}: mptp {t[f'mptp{sfx}']:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
+                         f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {t[f'copy_cublas{sfx}']:7.1f} "
+                         f"vs max {100 * (t[f'mptp{sfx}'] / bound - 1):+5.1f}% "
+                         f"speedup {t[f'copy_cublas{sfx}'] / t[f'mptp{sfx}']:.3f}")  # fmt: skip
+        return f"{head} | " + " | ".join(parts)
 
     write = a.mode != "real" or torch.distributed.get_rank() == 0
     run_cases("all_gather_matmul.csv", cases, make, envc, summarize, a.out, write)

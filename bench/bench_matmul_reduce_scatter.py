@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases  # noqa: E402
+from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.kernels.reduce import reduce_partials  # noqa: E402
@@ -93,15 +93,19 @@ def main():
              for M, (N, K) in itertools.product(map(int, a.Ms.split(",")), LLAMA_TP8_NK)]
 
     def make(c):
-        return loopback(W, c["M"], c["N"], c["K"]) if a.mode == "loopback" else real(c["M"], c["N"], c["K"])
+        return with_graphs(loopback(W, c["M"], c["N"], c["K"])) if a.mode == "loopback" else real(c["M"], c["N"], c["K"])
 
     def summarize(c, t):
         head = f"bf16 W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
         if a.mode != "loopback":
             return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
-        return (f"{head} mptp {t['mptp']:8.1f}us  matmul_only {t['matmul_only']:8.1f}  cublas "
-                f"{t['cublas_only']:8.1f}  comm {t['comm_only']:7.1f}  copy+cublas {t['copy_cublas']:8.1f}  "
-                f"speedup vs copy+cublas {t['copy_cublas'] / t['mptp']:.3f}")  # fmt: skip
+        parts = []
+        for sfx in ("@graph", ""):
+            if f"mptp{sfx}" in t:
+                parts.append(f"{sfx or '@eager'}: mptp {t[f'mptp{sfx}']:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
+                             f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {t[f'copy_cublas{sfx}']:7.1f} "
+                             f"speedup {t[f'copy_cublas{sfx}'] / t[f'mptp{sfx}']:.3f}")  # fmt: skip
+        return f"{head} | " + " | ".join(parts)
 
     write = a.mode != "real" or torch.distributed.get_rank() == 0
     run_cases("matmul_reduce_scatter.csv", cases, make, envc, summarize, a.out, write)

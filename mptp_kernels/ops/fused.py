@@ -302,6 +302,13 @@ def _reference_layout(ref_fn, key, args):
     return _LAYOUTS[key]
 
 
+def _scaled_layout_proxy(out_dtypes, A, Bs, gd, group_name):
+    """The scaled op's output layout via the unscaled reference on same-shaped 16-bit fakes."""
+    A16 = torch.empty_strided(A.shape, A.stride(), dtype=torch.bfloat16, device=A.device)
+    Bs16 = [torch.empty_strided(B.shape, B.stride(), dtype=torch.bfloat16, device=B.device) for B in Bs]
+    return reference.all_gather_matmul(A16, Bs16, gd, group_name, return_A=True)
+
+
 def _restride(t, layout):
     """Returns t with the reference's strides (a copy only where they differ)."""
     if t is None or t.stride() == layout[1]:
@@ -310,14 +317,16 @@ def _restride(t, layout):
     return out.copy_(t)
 
 
-def _key(*args):
+def _key(*args):  # noqa: D103
     return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor)
                  else tuple(_key(x) for x in a) if isinstance(a, list) else a for a in args)  # fmt: skip
 
 
 def _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
     A_ret, outs = _ag_run(A, Bs, gd, group_name, return_A, W, scaled)
-    (la,), lo = _reference_layout(ref_fn, _key(*ref_args), ref_args)
+    name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
+    key = (name, repr(getattr(ref_fn, "keywords", None)), _key(*ref_args))
+    (la,), lo = _reference_layout(ref_fn, key, ref_args)
     return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, l) for o, l in zip(outs, lo)]
 
 
@@ -345,8 +354,9 @@ def plan(name, *args, **kwargs):
             return None, "B_scales must be one element or [1, N]"
         if mode == validate.ScaleMode.TENSOR_WISE and any(bs.numel() != 1 for bs in B_scales):
             return None, "tensor-wise A_scale needs tensor-wise B_scales (as _scaled_mm)"
-        ref = (reference.all_gather_scaled_matmul, (A, list(Bs), A_scale, list(B_scales), gd, group_name,
-               list(biases), list(result_scales), list(out_dtypes), list(fast)))  # fmt: skip
+        # Layouts do not depend on dtypes or scales: take them from the unscaled
+        # reference (the meta _scaled_mm would reject N not divisible by 16).
+        ref = (functools.partial(_scaled_layout_proxy, dts), (A, list(Bs), gd, group_name))
         fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)), ref)
         return fn, why
     if name == "fused_matmul_reduce_scatter":
