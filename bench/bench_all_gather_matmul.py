@@ -28,7 +28,7 @@ from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, ru
 from bench_persistent_matmul import make  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
-from mptp_kernels.symm.primitives import write_value  # noqa: E402
+from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -53,10 +53,10 @@ def loopback(W, M, N, K, kind):
     main = torch.cuda.current_stream()
     ckw = dict(num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER, outs=out, **kw)
 
+    pulls = [(A_full[p * rows : (p + 1) * rows], peers[p], flags[p]) for p in range(1, W)]
+
     def copies(stream):
-        for p in range(1, W):
-            A_full[p * rows : (p + 1) * rows].copy_(peers[p], non_blocking=True)
-            write_value(flags[p], 1, stream)
+        pull_chunks(pulls, 1, stream)  # what the fused op does: copy engine + flag memops
 
     def fused():
         A_full[:rows].copy_(peers[0])

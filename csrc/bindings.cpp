@@ -37,6 +37,10 @@ MPTP_API int mptp_wait(void* stream, const uint32_t* slots, uint32_t* expected, 
 MPTP_API int mptp_write_value(void* stream, uint32_t* addr, uint32_t value) {
   return mptp::write_value(stream, addr, value);
 }
+MPTP_API int mptp_pull_chunks(void* stream, void* const* dsts, const void* const* srcs,
+                              const size_t* bytes, uint32_t* const* flags, uint32_t value, int n) {
+  return mptp::pull_chunks(stream, dsts, srcs, bytes, flags, value, n);
+}
 MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
   return mptp::stream_wait_value(stream, addr, value);
 }

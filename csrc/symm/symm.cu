@@ -151,6 +151,24 @@ int write_value(void* stream, uint32_t* addr, uint32_t value) {
   return 0;
 }
 
+int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
+                uint32_t* const* flags, uint32_t value, int n) {
+  const Driver* drv = driver();
+  if (drv == nullptr) return -1;
+  auto s = static_cast<cudaStream_t>(stream);
+  for (int i = 0; i < n; ++i) {
+    if (bytes[i] > 0) {
+      MPTP_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], bytes[i], cudaMemcpyDeviceToDevice, s));
+    }
+    if (flags[i] != nullptr) {
+      int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(flags[i]), value,
+                                         kWriteDefault);
+      MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
+    }
+  }
+  return 0;
+}
+
 int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
   const Driver* drv = driver();
   if (drv == nullptr) return -1;

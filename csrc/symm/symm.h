@@ -45,6 +45,11 @@ int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_
 // persistent kernel spins on while it may hold every SM.
 int write_value(void* stream, uint32_t* addr, uint32_t value);
 
+// For each i: copy bytes[i] from srcs[i] to dsts[i] (copy engine), then write
+// `value` into flags[i] (memop; null skipped). One call instead of 2n from Python.
+int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
+                uint32_t* const* flags, uint32_t value, int n);
+
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.
 int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value);

@@ -159,16 +159,16 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     ws.put_signal(CH_READY)
     ws.wait_signal(CH_READY, tag=_TAG_AG)
     st.side.wait_stream(main)
-    with torch.cuda.stream(st.side):
-        for i in range(1, W):
-            p = (rank + i) % W
-            if scale_rows is not None:
-                scale_full[p * rows : (p + 1) * rows].copy_(
-                    ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32), non_blocking=True
-                )
-            chunks[p].copy_(my_slot(p).view(chunks[p].dtype), non_blocking=True)
-            ws.write_value(st.flags[p], 1, stream=st.side)
-        ws.put_signal(CH_DONE, stream=st.side)
+    copies = []
+    for i in range(1, W):
+        p = (rank + i) % W
+        if scale_rows is not None:
+            src = ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32)
+            copies.append((scale_full[p * rows : (p + 1) * rows], src, None))
+        copies.append((chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]))
+    # One call: W-1 copy-engine pulls, each followed by its chunk flag (memop).
+    P.pull_chunks(copies, 1, stream=st.side)
+    ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
               timeout_s=env.timeout_s(), err=ws.err)  # fmt: skip
     if scaled is None:

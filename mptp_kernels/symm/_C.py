@@ -41,6 +41,10 @@ def _declare(lib) -> None:
             [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_uint32, c.c_uint64, c.c_int, c.c_int],
         ),
         "mptp_write_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
+        "mptp_pull_chunks": (
+            c.c_int,
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_uint32, c.c_int],
+        ),
         "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
     }

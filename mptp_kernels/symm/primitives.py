@@ -291,6 +291,26 @@ def write_value(flag: torch.Tensor, value: int, stream=None) -> None:
                                      value & 0xFFFFFFFF), "write_value")  # fmt: skip
 
 
+def pull_chunks(copies, value: int = 1, stream=None) -> None:
+    """Stream-ordered copy-engine copies, each followed by a flag write (cuStreamWriteValue32).
+
+    Args:
+        copies: list of (dst, src, flag) with dst/src same-sized contiguous device
+            tensors (src may be a peer's mapped buffer) and flag an int32 element or None.
+    """
+    n = len(copies)
+    if n == 0:
+        return
+    stream = stream or torch.cuda.current_stream()
+    P = ctypes.c_void_p * n
+    dsts = P(*[d.data_ptr() for d, _, _ in copies])
+    srcs = P(*[s.data_ptr() for _, s, _ in copies])
+    sizes = (ctypes.c_size_t * n)(*[d.numel() * d.element_size() for d, _, _ in copies])
+    flags = P(*[f.data_ptr() if f is not None else None for _, _, f in copies])
+    _C.check(_lib().mptp_pull_chunks(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, flags,
+                                     value & 0xFFFFFFFF, n), "pull_chunks")  # fmt: skip
+
+
 _WORKSPACES: Dict[tuple, SymmetricMemory] = {}
 
 
