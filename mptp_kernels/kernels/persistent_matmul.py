@@ -25,36 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..symm.triton_sync import signal_release, wait_acquire
+
 MAX_B = 3
 MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
-
-
-@triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _wait_flag(flag_ptr, epoch, timeout_ns, err_ptr, chunk):
-    """Spins (acquire, system scope) until *flag_ptr >= epoch; bounded by timeout_ns.
-
-    On timeout it records (channel=-1, peer=chunk) in the error record and returns.
-    """
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if seen < epoch:
-        start = _globaltimer()
-        while seen < epoch:
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            if seen < epoch:
-                if _globaltimer() - start > timeout_ns:
-                    if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
-                        tl.store(err_ptr + 1, -1)
-                        tl.store(err_ptr + 2, chunk)
-                        tl.store(err_ptr + 3, epoch)
-                        tl.store(err_ptr + 4, seen)
-                    seen = epoch
 
 
 @triton.jit
@@ -120,7 +94,7 @@ def _persistent_matmul_kernel(
         chunk = tl.load(order_ptr + idx)
         if MODE == 1:
             if chunk != ready_chunk:
-                _wait_flag(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
                 ready_chunk = chunk
         # Which B does this tile belong to?
         b = 0
@@ -193,7 +167,7 @@ def _persistent_matmul_kernel(
             done = tl.atomic_add(counters_ptr + chunk, 1, sem="acq_rel", scope="gpu")
             if done == tiles_per_chunk - 1:
                 tl.atomic_xchg(counters_ptr + chunk, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(flags_ptr + chunk, epoch, sem="release", scope="sys")
+                signal_release(flags_ptr + chunk, epoch)
 
 
 @triton.jit
@@ -224,7 +198,7 @@ def _persistent_matmul_tma_kernel(
         chunk = tl.load(order_ptr + idx)
         if MODE == 1:
             if chunk != ready_chunk:
-                _wait_flag(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
                 ready_chunk = chunk
         group_size = GROUP_M * num_pid_n
         first_m = (t // group_size) * GROUP_M

@@ -18,7 +18,11 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.symm.triton_sync import signal_release, wait_acquire  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -154,3 +158,20 @@ def test_reduce_partials_fixed_order(dtype):
     reduce_partials(P, out, scale=0.5)
     ref = P.double().cpu().sum(0) * 0.5
     assert_matmul_close(out, ref, ref.to(dtype), k=2.0, atol=1e-6)
+
+
+
+@triton.jit
+def _sync_kernel(flags, err, out):
+    signal_release(flags + 0, 7)
+    wait_acquire(flags + 1, 3, 1_000_000_000, err, 1)
+    tl.store(out, tl.load(flags + 0))
+
+
+def test_triton_sync_helpers_signal_then_wait():
+    """signal_release publishes, wait_acquire passes (flags pre-set for the interpreter)."""
+    flags = torch.tensor([0, 3], dtype=torch.int32, device=DEV)
+    err = torch.zeros(6, dtype=torch.int32, device=DEV)
+    out = torch.zeros(1, dtype=torch.int32, device=DEV)
+    _sync_kernel[(1,)](flags, err, out)
+    assert flags.tolist() == [7, 3] and out.item() == 7 and err[0].item() == 0

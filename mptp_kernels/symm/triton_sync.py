@@ -1,0 +1,60 @@
+"""Triton-callable synchronisation helpers for kernels that share symmetric memory.
+
+Memory ordering:
+  * signal_release(ptr, value): an atomic exchange with release semantics at
+    system scope: every store the program made before it is visible to any
+    reader (another process, another GPU) that observes `value`.
+  * wait_acquire(ptr, value, ...): spins on an atomic read with acquire
+    semantics until *ptr >= value; loads after it see what the signaller wrote
+    before signalling.
+
+CUDA graphs: both are plain device code; values come from kernel arguments,
+so a captured kernel waits for the same value on every replay (reset the
+flag after use, as the fused ops do).
+
+NOTE: a kernel that may occupy every SM must only wait on flags written by a
+copy engine, a stream memory operation or another GPU, never on a flag that
+another kernel of the same GPU (which might not be resident) would write.
+
+Pseudo-code:
+    producer:  store tile ...; signal_release(flag, epoch)
+    consumer:  wait_acquire(flag, epoch, timeout, err, tag); load tile ...
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def globaltimer():
+    """Nanoseconds from the GPU's global timer (inline PTX: not for the interpreter)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def signal_release(ptr, value):
+    """*ptr = value with release semantics, system scope."""
+    tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_acquire(ptr, value, timeout_ns, err_ptr, tag):
+    """Spins (acquire, system scope) until *ptr >= value, at most timeout_ns.
+
+    On timeout the first timed-out waiter of the process fills the int32 error
+    record at err_ptr (failed, channel=-1, peer=tag, expected, seen) and every
+    waiter returns; the host raises from it (mptp_kernels.symm.check_errors).
+    """
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    if seen < value:
+        start = globaltimer()
+        while seen < value:
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            if seen < value:
+                if globaltimer() - start > timeout_ns:
+                    if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
+                        tl.store(err_ptr + 1, -1)
+                        tl.store(err_ptr + 2, tag)
+                        tl.store(err_ptr + 3, value)
+                        tl.store(err_ptr + 4, seen)
+                    seen = value
