@@ -59,7 +59,11 @@ def lib():
     if _lib is None and _why is None:
         path = _find()
         if path is None:
-            _why = "the CUDA extension mptp_kernels/_C.so was not built"
+            try:
+                from .._build_info import SKIP_REASON
+            except ImportError:
+                SKIP_REASON = "the package was not installed with pip"
+            _why = f"the CUDA extension mptp_kernels/_C.so was not built ({SKIP_REASON})"
         else:
             try:
                 handle = ctypes.CDLL(path)
