@@ -306,3 +306,28 @@ def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
     assert _run_pass(gm) == 1
     gm.recompile()
     torch.testing.assert_close(gm(*args).float(), ref.float())
+
+
+def test_fx_graph_cache_key_changes_with_the_pass(pg1, monkeypatch, tmp_path):
+    """A graph compiled without the pass is never served to a compile with it (and back)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_remote_cache", False)
+
+    def f(x):
+        return torch.relu(x @ x) + 1
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(f)(torch.randn(8, 8))
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    assert compile_once() == (0, 1)  # cold
+    assert compile_once() == (1, 0)  # warm, no pass
+    with mptp_kernels.enable_micro_pipeline_tp():
+        assert compile_once() == (0, 1), "a graph compiled without the pass was reused"
+        assert compile_once() == (1, 0)
+    assert compile_once() == (1, 0)  # the pass-less entry is still there
