@@ -34,8 +34,11 @@ from . import reference, validate
 
 CH_READY, CH_DONE = 1, 2
 _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-# Below this many FLOPs per rank the launch and signalling overhead beats any overlap.
-_MIN_FLOPS = 2 * 1024 * 1024 * 1024
+# Below this many FLOPs (about 0.45 ms of bf16 matmul on an H200) the eager
+# host-side cost of the fused path (a few hundred microseconds of launches,
+# measured in loopback: bench/results/h200_run_403e63f.log) beats the overlap
+# it buys; MPTP_FORCE_FUSED=1 overrides (CUDA graphs remove that cost).
+_MIN_FLOPS = 300e9
 MAX_SCATTER_W = 8
 
 _TAG_AG = P.register_tag("fused_all_gather_matmul")
