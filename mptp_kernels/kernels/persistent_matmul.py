@@ -322,6 +322,14 @@ def _interpreting() -> bool:
 
 
 _DUMMY = {}
+_ORDERS = {}
+
+
+def _identity_order(device, n):
+    key = (str(device), n)
+    if key not in _ORDERS:
+        _ORDERS[key] = torch.arange(n, device=device, dtype=torch.int32)
+    return _ORDERS[key]
 
 
 def _dummy(device, dtype=torch.float32):
@@ -386,7 +394,7 @@ def persistent_matmul(
     cfg = config or pick_config(A.dtype, M, Ns, K)
     sms = num_sms or (_num_sms(dev.index or 0) if dev.type == "cuda" else 4)
     if order is None:
-        order = torch.arange(num_chunks, device=dev, dtype=torch.int32)
+        order = _identity_order(dev, num_chunks)
     dummy_i = _dummy(dev, torch.int32)
     flags = flags if flags is not None else dummy_i
     counters = counters if counters is not None else dummy_i
