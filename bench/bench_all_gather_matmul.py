@@ -50,16 +50,20 @@ def loopback(W, M, N, K, kind):
     order = torch.arange(W, dtype=torch.int32, device="cuda")  # rank 0's view: own chunk first
     out = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16)]
     side = torch.cuda.Stream()
-    main = torch.cuda.current_stream()
+    cur = torch.cuda.current_stream  # looked up per call: a graph capture runs on its own stream
     ckw = dict(num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER, outs=out, **kw)
 
     pulls = [(A_full[p * rows : (p + 1) * rows], peers[p], flags[p]) for p in range(1, W)]
 
-    def copies(stream):
+    scratch = torch.zeros(W, dtype=torch.int32, device="cuda")  # flags of the unfused providers
+    pulls_unfused = [(d, src, scratch[i]) for i, (d, src, _) in enumerate(pulls)]
+
+    def copies(stream, pulls=pulls):
         pull_chunks(pulls, 1, stream)  # what the fused op does: copy engine + flag memops
 
     def fused():
         A_full[:rows].copy_(peers[0])
+        main = cur()
         write_value(flags[0], 1, main)
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -80,10 +84,10 @@ def loopback(W, M, N, K, kind):
         return torch._scaled_mm(A, B, sa, kw["B_scales"][0], out_dtype=torch.bfloat16, use_fast_accum=True)
 
     def comm_only():
-        copies(main)
+        copies(cur(), pulls_unfused)
 
     def copy_cublas():
-        copies(main)
+        copies(cur(), pulls_unfused)
         cublas_only()
 
     fused()
