@@ -23,9 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
-
 from bench_persistent_matmul import make  # noqa: E402
+from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
@@ -104,7 +103,7 @@ def real(M, N, K, kind):
 
     import mptp_kernels
 
-    W, r = dist.get_world_size(), dist.get_rank()
+    W = dist.get_world_size()
     g = dist.group.WORLD.group_name
     mptp_kernels.enable_symm_mem_for_group(g)
     A, B, kw = _inputs(M // W, N, K, kind)

@@ -75,7 +75,9 @@ def _group_enabled(group_name: str) -> bool:
     if is_symm_mem_enabled_for_group(group_name):
         return True
     try:
-        from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group as torch_enabled
+        from torch.distributed._symmetric_memory import (
+            is_symm_mem_enabled_for_group as torch_enabled,
+        )
 
         return bool(torch_enabled(group_name))
     except Exception:  # noqa: BLE001
@@ -408,7 +410,7 @@ def _retarget_symm_mem(graph: fx.Graph, rep: _Report) -> None:
     for n in graph.nodes:
         for name in names:
             try:
-                theirs = getattr(getattr(symm, name), "default")
+                theirs = getattr(symm, name).default
             except (AttributeError, RuntimeError):
                 continue
             if n.target is theirs:

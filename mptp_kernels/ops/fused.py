@@ -330,7 +330,7 @@ def _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args
     name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
     key = (name, repr(getattr(ref_fn, "keywords", None)), _key(*ref_args))
     (la,), lo = _reference_layout(ref_fn, key, ref_args)
-    return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, l) for o, l in zip(outs, lo)]
+    return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, lay) for o, lay in zip(outs, lo)]
 
 
 # -- entry point ----------------------------------------------------------------------------------

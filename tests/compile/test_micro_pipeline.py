@@ -4,7 +4,6 @@ Structure tests trace with world size 4; the numeric checks trace with the
 real (world size 1, gloo) group and run the graph before and after the pass.
 """
 
-import operator
 
 import pytest
 import torch

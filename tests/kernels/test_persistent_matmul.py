@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-
 from utils import assert_matmul_close, randn
 
 CUDA = torch.cuda.is_available()
