@@ -198,15 +198,14 @@ def test_negative_group_not_enabled(pg1):
     assert _run_pass(gm) == 0
 
 
-def test_negative_already_hidden_with_reorder(group, monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "reorder_for_compute_comm_overlap", True)
-
+def test_negative_already_hidden_with_reorder(group):
     def f(shard, B, X, Y):
         A = _ag(shard, 4, group)
         return torch.mm(A, B), torch.mm(X, Y)  # X @ Y is independent: it hides the all-gather
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 8), torch.randn(8, 8))
-    assert _run_pass(gm) == 0
+    with torch._inductor.config.patch(reorder_for_compute_comm_overlap=True):
+        assert _run_pass(gm) == 0
 
 
 def test_late_B_ancestors_move_above_the_fused_node(group):
