@@ -92,11 +92,12 @@ def tune(kinds, Ms, out_dir):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="M=8192 only")
+    p.add_argument("--Ms", default="4096,8192,16384")
     p.add_argument("--tune", action="store_true", help="sweep configs instead of benchmarking")
     p.add_argument("--kinds", default="bf16,fp8_tensor,fp8_row")
     p.add_argument("--out", default=None, help="also copy the CSV here")
     a = p.parse_args()
-    Ms = [8192] if a.quick else [4096, 8192, 16384]
+    Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
     kinds = a.kinds.split(",")
     if a.tune:
         return tune(kinds, Ms, a.out)
@@ -113,12 +114,15 @@ def main():
                              "tflops": round(2 * M * N * K / us / 1e6, 1),
                              "ratio_vs_cublas": round(times["cublas"] / us, 4)})  # fmt: skip
             ratios[kind].append(times["cublas"] / times["mptp"])
+            append_rows("persistent_matmul.csv", rows[-len(times):])  # per case: a cut-off run keeps its rows
             print(f"{kind:10s} M={M:5d} N={N:5d} K={K:5d}  cublas {times['cublas']:8.1f}us  "
                   f"mptp {times['mptp']:8.1f}us  consumer {times['mptp_consumer']:8.1f}us  "
                   f"pointer-kernel {times['mptp_pointer']:8.1f}us  "
                   f"ratio {times['cublas'] / times['mptp']:.3f}", flush=True)  # fmt: skip
-    path = append_rows("persistent_matmul.csv", rows)
-    if a.out:
+    from common import RESULTS
+
+    path = os.path.join(RESULTS, "persistent_matmul.csv")
+    if a.out and os.path.abspath(a.out) != os.path.abspath(RESULTS):
         shutil.copy(path, os.path.join(a.out, "persistent_matmul.csv"))
     print("\ngeometric mean of cuBLAS time / mptp time (>= 1.0 means at least cuBLAS speed):")
     for kind, r in ratios.items():

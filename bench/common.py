@@ -8,7 +8,8 @@ import subprocess
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# MPTP_RESULTS_DIR redirects the CSVs (the device script points it at $OUT so a cut-off run keeps its rows).
+RESULTS = os.environ.get("MPTP_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # Per-rank TP-8 (N, K) of Llama-3: 70B then 8B.
 LLAMA_TP8_NK = [(7168, 8192), (8192, 3584), (1280, 8192), (3584, 4096), (4096, 1792), (768, 4096)]
@@ -69,7 +70,7 @@ def run_cases(csv_name, cases, make_fns, columns, summarize, out_dir=None, write
         print(summarize(case, times), flush=True)
     if write and rows:
         path = append_rows(csv_name, rows)
-        if out_dir:
+        if out_dir and os.path.abspath(out_dir) != os.path.abspath(RESULTS):
             import shutil
 
             shutil.copy(path, os.path.join(out_dir, csv_name))
