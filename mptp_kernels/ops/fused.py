@@ -305,7 +305,7 @@ def _reference_layout(ref_fn, key, args):
     return _LAYOUTS[key]
 
 
-def _scaled_layout_proxy(out_dtypes, A, Bs, gd, group_name):
+def _scaled_layout_proxy(A, Bs, gd, group_name):
     """The scaled op's output layout via the unscaled reference on same-shaped 16-bit fakes."""
     A16 = torch.empty_strided(A.shape, A.stride(), dtype=torch.bfloat16, device=A.device)
     Bs16 = [torch.empty_strided(B.shape, B.stride(), dtype=torch.bfloat16, device=B.device) for B in Bs]
@@ -359,7 +359,7 @@ def plan(name, *args, **kwargs):
             return None, "tensor-wise A_scale needs tensor-wise B_scales (as _scaled_mm)"
         # Layouts do not depend on dtypes or scales: take them from the unscaled
         # reference (the meta _scaled_mm would reject N not divisible by 16).
-        ref = (functools.partial(_scaled_layout_proxy, dts), (A, list(Bs), gd, group_name))
+        ref = (_scaled_layout_proxy, (A, list(Bs), gd, group_name))
         fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)), ref)
         return fn, why
     if name == "fused_matmul_reduce_scatter":
