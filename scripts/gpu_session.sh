@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee 
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
 python3 -c "import mptp_kernels as m; print('built:', m.build_info.CUDA_EXTENSION_BUILT)"
 TESTS=${TESTS:-"."}
-(cd tests && timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -40)
+(cd tests && timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q ${PYTEST_ARGS:--x} -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -40)
 if [ -n "${BENCH:-}" ]; then
   # Rows land straight in $OUT (seeded with the committed CSVs), so a run cut off by the limit keeps them.
   cp bench/results/*.csv "$OUT/" 2>/dev/null || true
