@@ -18,11 +18,14 @@ LLAMA_TP8_NK = [(7168, 8192), (8192, 3584), (1280, 8192), (3584, 4096), (4096, 1
 def env_columns() -> dict:
     import triton
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()  # fmt: skip
-    except Exception:  # noqa: BLE001 - the device machine gets the tree without .git
-        commit = os.environ.get("MPTP_BENCH_COMMIT", "unknown")
+    # The device machine's copy of the tree may carry a stale .git: the caller's value wins.
+    commit = os.environ.get("MPTP_BENCH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()  # fmt: skip
+        except Exception:  # noqa: BLE001 - no git at all
+            commit = "unknown"
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
