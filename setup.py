@@ -8,7 +8,6 @@ Environment:
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 from setuptools import Extension, setup

@@ -58,6 +58,17 @@ def _select8(c, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile t of a chunk: grouped swizzle for L2 reuse of A rows and B columns."""
+    group_size = GROUP_M * num_pid_n
+    first_m = (t // group_size) * GROUP_M
+    gm = min(pid_m_per_chunk - first_m, GROUP_M)
+    pid_m = first_m + (t % group_size) % gm
+    pid_n = (t % group_size) // gm
+    return pid_m, pid_n
+
+
+@triton.jit
 def _persistent_matmul_kernel(
     A, B0, B1, B2, C0, C1, C2, BIAS0, BIAS1, BIAS2, BS0, BS1, BS2, A_SCALE,
     D0, D1, D2, D3, D4, D5, D6, D7,
@@ -111,14 +122,7 @@ def _persistent_matmul_kernel(
         Cp = _select(b, C0, C1, C2)
         stride_bk = _select(b, stride_b0k, stride_b1k, stride_b2k)
         stride_bn = _select(b, stride_b0n, stride_b1n, stride_b2n)
-        # Grouped swizzle inside the chunk for L2 reuse of A rows and B columns.
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        group_size = GROUP_M * num_pid_n
-        group_id = t // group_size
-        first_m = group_id * GROUP_M
-        gm = min(pid_m_per_chunk - first_m, GROUP_M)
-        pid_m = first_m + (t % group_size) % gm
-        pid_n = (t % group_size) // gm
+        pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, tl.cdiv(N, BLOCK_N), GROUP_M)
 
         row_start = chunk * chunk_m
         offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -176,10 +180,16 @@ def _persistent_matmul_tma_kernel(
     order_ptr, flags_ptr, epoch, timeout_ns, err_ptr,
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
-    """One B, TMA (tensor-descriptor) loads; otherwise the same walk as _persistent_matmul_kernel.
+    """One B (plain or consumer), TMA (tensor-descriptor) loads.
+
+    Same tile assignment as _persistent_matmul_kernel (global tile i goes to
+    program i % NUM_SMS), written as a loop over chunks around a loop over this
+    program's tiles of the chunk. The consumer's wait sits between the two, so
+    with FLATTEN the compiler may pipeline loads across tiles of one chunk
+    (hiding each tile's prologue) but never hoist a load above the wait.
 
     NOTE: a tile may load rows past its chunk (another chunk's, maybe not yet
     arrived); they only feed output rows that the masked store drops.
@@ -189,63 +199,54 @@ def _persistent_matmul_tma_kernel(
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_chunk = pid_m_per_chunk * num_pid_n
-    total = tiles_per_chunk * NUM_CHUNKS
     k_tiles = tl.cdiv(K, BLOCK_K)
-    ready_chunk = -1
-    for tile in range(pid, total, NUM_SMS):
-        idx = tile // tiles_per_chunk
-        t = tile - idx * tiles_per_chunk
+    for idx in range(NUM_CHUNKS):
         chunk = tl.load(order_ptr + idx)
+        # First tile of this chunk that is ours: global index idx * tiles_per_chunk + t == pid (mod NUM_SMS).
+        first = (pid + NUM_SMS - (idx * tiles_per_chunk) % NUM_SMS) % NUM_SMS
         if MODE == 1:
-            if chunk != ready_chunk:
+            if first < tiles_per_chunk:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
-                ready_chunk = chunk
-        group_size = GROUP_M * num_pid_n
-        first_m = (t // group_size) * GROUP_M
-        gm = min(pid_m_per_chunk - first_m, GROUP_M)
-        pid_m = first_m + (t % group_size) % gm
-        pid_n = (t % group_size) // gm
         row_start = chunk * chunk_m
-        off_m = row_start + pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k_tiles):
-            off_k = kk * BLOCK_K
-            a = a_desc.load([off_m, off_k])
-            if B_KMAJOR:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            if FAST_ACCUM:
-                acc = tl.dot(a, b, acc)
-            else:
-                acc += tl.dot(a, b)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        row_mask = offs_m < row_start + chunk_m
-        col_mask = offs_n < N
-        if A_SCALE_MODE == 1:
-            acc = acc * tl.load(A_SCALE)
-        elif A_SCALE_MODE == 2:
-            acc = acc * tl.load(A_SCALE + offs_m, mask=row_mask, other=0.0)[:, None]
-        if B_SCALE_MODE == 1:
-            acc = acc * tl.load(BS)
-        elif B_SCALE_MODE == 2:
-            acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = C + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        for t in tl.range(first, tiles_per_chunk, NUM_SMS, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
+            off_m = row_start + pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                off_k = kk * BLOCK_K
+                a = a_desc.load([off_m, off_k])
+                if B_KMAJOR:
+                    b = b_desc.load([off_n, off_k]).T
+                else:
+                    b = b_desc.load([off_k, off_n])
+                if FAST_ACCUM:
+                    acc = tl.dot(a, b, acc)
+                else:
+                    acc += tl.dot(a, b)
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            row_mask = offs_m < row_start + chunk_m
+            col_mask = offs_n < N
+            if A_SCALE_MODE == 1:
+                acc = acc * tl.load(A_SCALE)
+            elif A_SCALE_MODE == 2:
+                acc = acc * tl.load(A_SCALE + offs_m, mask=row_mask, other=0.0)[:, None]
+            if B_SCALE_MODE == 1:
+                acc = acc * tl.load(BS)
+            elif B_SCALE_MODE == 2:
+                acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
+            if HAS_BIAS:
+                acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            c_ptrs = C + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tma_ok(A, B, outs, biases, scatter_to, mode) -> bool:
-    """The TMA kernel serves one B, no scatter, 16-byte aligned rows, on a GPU."""
-    if _interpreting() or not A.is_cuda or scatter_to is not None or mode == MODE_PRODUCER:
+def _tma_ok(A, B, scatter_to, mode, allow_fp8) -> bool:
+    """The TMA kernel serves one B, no scatter, 16-byte aligned rows (FP8: K-major B)."""
+    if scatter_to is not None or mode == MODE_PRODUCER or A.dtype == torch.float32:
         return False
-    if USE_TMA is False:
-        return False
-    if A.element_size() == 1:
-        # Measured on the H200 (bench/NOTES.md): TMA wins for 16-bit, not for FP8.
+    if A.element_size() == 1 and (not allow_fp8 or B.stride(0) != 1):
         return False
     es = A.element_size()
     if A.stride(1) != 1 or (A.stride(0) * es) % 16 or A.data_ptr() % 16:
@@ -255,7 +256,13 @@ def _tma_ok(A, B, outs, biases, scatter_to, mode) -> bool:
     return B.stride(0) == 1 and (B.stride(1) * es) % 16 == 0 and B.data_ptr() % 16 == 0
 
 
-# Set to False to force the pointer-based kernel (bench/bench_persistent_matmul.py compares both).
+# Kernel families: "pointer" (any call), "tma" / "tma_flat" (one B, plain or consumer; the
+# second flattens the tile and K loops of a chunk so loads run ahead across tiles).
+KERNELS = ("auto", "pointer", "tma", "tma_flat")
+# What "auto" picks where the TMA kernel is eligible, per dtype class; measured on the H200
+# (bench/NOTES.md, providers mptp_pointer / mptp_tma / mptp_tma_flat of persistent_matmul.csv).
+# USE_TMA = False turns "auto" into "pointer" everywhere (also done after a TMA failure).
+AUTO_KERNEL = {"16bit": "tma", "fp8": "pointer"}
 USE_TMA = True
 
 
@@ -360,6 +367,7 @@ def persistent_matmul(
     config: Optional[Config] = None,
     num_sms: Optional[int] = None,
     scatter_to: Optional[Sequence[torch.Tensor]] = None,
+    kernel: str = "auto",
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -375,7 +383,10 @@ def persistent_matmul(
         err: int32 [6] error record the consumer wait fills on timeout.
         scatter_to: up to 8 tensors, one per chunk; chunk c's [M // num_chunks, N]
             rows are stored to scatter_to[c] (contiguous) instead of outs (one B only).
+        kernel: one of KERNELS; "auto" follows AUTO_KERNEL, the others are forced
+            (a forced TMA kernel raises where it is not eligible).
     """
+    global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
     M, K = A.shape
     assert M % num_chunks == 0, "M must be a multiple of num_chunks"
@@ -408,12 +419,27 @@ def persistent_matmul(
     if has_bias:
         assert all(b is not None for b in biases), "all or none of the Bs have a bias"
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
-    if len(Bs) == 1 and A.dtype != torch.float32 and _tma_ok(A, Bs[0], outs, biases, scatter_to, mode):
+    if kernel not in KERNELS:
+        raise ValueError(f"persistent_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "auto":
+        if USE_TMA and A.is_cuda and not _interpreting() and len(Bs) == 1:
+            kernel = AUTO_KERNEL["fp8" if fp8 else "16bit"]
+        if kernel == "auto" or len(Bs) != 1 or not _tma_ok(A, Bs[0], scatter_to, mode, allow_fp8=True):
+            kernel = "pointer"
+        auto = True
+    else:
+        auto = False
+        if kernel != "pointer" and (len(Bs) != 1 or not _tma_ok(A, Bs[0], scatter_to, mode, allow_fp8=True)):
+            raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no scatter, no producer mode, "
+                             "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
+    if kernel != "pointer":
+        args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
+                B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat")
+        if not auto:
+            return _launch_tma(*args)
         try:
-            return _launch_tma(A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s,
-                               err, A_scale, B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum)
+            return _launch_tma(*args)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without tensor descriptors
-            global USE_TMA
             USE_TMA = False
             from .. import env
 
@@ -455,7 +481,7 @@ def persistent_matmul(
 
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
-                biases, a_mode, b_mode, fast_accum):
+                biases, a_mode, b_mode, fast_accum, flatten):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = A.shape
@@ -474,7 +500,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         biases[0] if biases is not None else _dummy(dev),
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err,
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
-        B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor,
+        B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -110,11 +110,62 @@ def test_producer_publishes_every_chunk(W, M):
         assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
 
 
+TMA_KERNELS = ["tma", "tma_flat"]
+TMA_DTYPES = [torch.float16, FP8] + ([torch.bfloat16] if CUDA else [])
+
+
+@pytest.mark.parametrize("kernel", TMA_KERNELS)
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
+@pytest.mark.parametrize("W,M,K,N", [(1, 72, 48, 40), (3, 96, 64, 56), (4, 160, 80, 24)])
+def test_tma_kernels_plain_and_consumer(kernel, dtype, W, M, K, N):
+    """The tensor-descriptor kernels: odd (16-byte aligned) shapes, every chunk order, FP8 K-major B."""
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    out_dtype = torch.float32 if dtype == FP8 else dtype
+    ref = A.double().cpu() @ B.double().cpu()
+    eager = (A.float() @ B.float()).to(out_dtype)
+    for rank in range(W):
+        order = torch.tensor([(rank + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+        flags = torch.full((W,), 3, dtype=torch.int32, device=DEV)
+        mode = pm.MODE_CONSUMER if W > 1 else pm.MODE_PLAIN
+        (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), out_dtype), num_chunks=W, order=order,
+                                    flags=flags, epoch=3, mode=mode, kernel=kernel)  # fmt: skip
+        assert_matmul_close(C, ref, eager, k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", TMA_KERNELS)
+@pytest.mark.parametrize("a_mode,with_bias", [("tensor", True), ("row", False), ("row", True)])
+def test_tma_kernels_fp8_scales_bias(kernel, a_mode, with_bias):
+    M, K, N = 96, 64, 48
+    A, (B,) = _inputs(M, K, (N,), FP8, SEED, col_major_b=True)
+    if a_mode == "tensor":
+        A_scale, B_scale = torch.tensor(0.7, device=DEV), torch.tensor(1.3, device=DEV)
+    else:
+        A_scale = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
+        B_scale = (randn((1, N), SEED + 8).abs() + 0.5).to(DEV)
+    bias = randn((N,), SEED + 20).to(DEV, torch.float16) if with_bias else None
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), A_scale=A_scale,
+                                B_scales=[B_scale], biases=[bias] if with_bias else None, kernel=kernel)  # fmt: skip
+    ref = (A.double().cpu() * A_scale.double().cpu()) @ (B.double().cpu() * B_scale.double().cpu())
+    if with_bias:
+        ref = ref + bias.double().cpu()
+    assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
+
+
+def test_forced_tma_kernel_refuses_what_it_cannot_serve():
+    A, Bs = _inputs(64, 32, (16, 16), torch.float16, SEED)
+    with pytest.raises(ValueError, match="kernel='tma' needs one B"):
+        pm.persistent_matmul(A, Bs, kernel="tma")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        pm.persistent_matmul(A, Bs[:1], kernel="cutlass")
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: the interpreter cannot overlap a late writer")
-def test_consumer_waits_for_late_flags():
+@pytest.mark.parametrize("kernel,dtype", [("pointer", torch.bfloat16), ("tma", torch.bfloat16),
+                                          ("tma_flat", torch.bfloat16), ("pointer", FP8), ("tma_flat", FP8)])
+def test_consumer_waits_for_late_flags(kernel, dtype):
     """Flags are set by another stream after a delay: tiles must not read rows before it."""
     W, M, K, N = 4, 4096, 1024, 1024
-    A, (B,) = _inputs(M, K, (N,), torch.bfloat16, SEED)
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
     A_late = torch.zeros_like(A)  # rows arrive chunk by chunk from a copy stream
     flags = torch.zeros(W, dtype=torch.int32, device=DEV)
     one = torch.ones(1, dtype=torch.int32).pin_memory()
@@ -128,10 +179,11 @@ def test_consumer_waits_for_late_flags():
             A_late[rows].copy_(A[rows])
             # A copy-engine write, never a kernel (which might not get an SM).
             flags[c : c + 1].copy_(one, non_blocking=True)
-    (C,) = pm.persistent_matmul(A_late, [B], num_chunks=W, flags=flags, epoch=1, mode=pm.MODE_CONSUMER)
+    (C,) = pm.persistent_matmul(A_late, [B], num_chunks=W, flags=flags, epoch=1, mode=pm.MODE_CONSUMER,
+                                kernel=kernel)  # fmt: skip
     torch.cuda.synchronize()
     ref = A.double() @ B.double()
-    assert_matmul_close(C, ref, (A @ B), k=2.0, atol=1e-5)
+    assert_matmul_close(C, ref, (A.float() @ B.float()).to(C.dtype), k=2.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("W,M", [(2, 64), (4, 96)])

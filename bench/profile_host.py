@@ -1,0 +1,116 @@
+"""Host-side cost per call (CPU microseconds, GPU left to queue) and where it goes.
+
+    python bench/profile_host.py [--calls 300]
+
+Small matmuls are launch-bound in eager mode: this prints, for each piece of
+the fused path and for cuBLAS, the host time per call measured back-to-back
+without synchronising, then a cProfile of the heaviest callables.
+"""
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_persistent_matmul import make  # noqa: E402
+
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
+
+
+def host_us(fn, calls):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def profile(fn, calls, top=25):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=300)
+    a = p.parse_args()
+    M, N, K, W = 8192, 768, 4096, 8
+    fns = {}
+    A, B, _, _ = make(M, N, K, "bf16")
+    out = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16)]
+    fns["torch.mm bf16"] = lambda: torch.mm(A, B)
+    for k in ("auto", "pointer", "tma", "tma_flat"):
+        fns[f"persistent_matmul bf16 {k}"] = lambda k=k: pm.persistent_matmul(A, [B], outs=out, kernel=k)
+    A8, B8, sa, sb = make(M, N, K, "fp8_row")
+    fns["torch._scaled_mm fp8 row"] = lambda: torch._scaled_mm(A8, B8, sa, sb, out_dtype=torch.bfloat16,
+                                                               use_fast_accum=True)  # fmt: skip
+    for k in ("pointer", "tma"):
+        fns[f"persistent_matmul fp8 row {k}"] = lambda k=k: pm.persistent_matmul(
+            A8, [B8], outs=out, A_scale=sa, B_scales=[sb], kernel=k)  # fmt: skip
+    flags = torch.ones(W, dtype=torch.int32, device="cuda")
+    order = torch.arange(W, dtype=torch.int32, device="cuda")
+    fns["persistent_matmul bf16 consumer"] = lambda: pm.persistent_matmul(
+        A, [B], outs=out, num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER)  # fmt: skip
+    rows = M // W
+    peers = [A[i * rows : (i + 1) * rows].clone() for i in range(W)]
+    A_full = torch.empty_like(A)
+    scratch = torch.zeros(W, dtype=torch.int32, device="cuda")
+    pulls = [(A_full[i * rows : (i + 1) * rows], peers[i], scratch[i]) for i in range(1, W)]
+    fns["pull_chunks x7"] = lambda: pull_chunks(pulls, 1)
+    fns["write_value"] = lambda: write_value(scratch[0], 1)
+    fns["tensor.zero_ (int32 x8)"] = lambda: scratch.zero_()
+    side = torch.cuda.Stream()
+    fns["stream.wait_stream"] = lambda: side.wait_stream(torch.cuda.current_stream())
+
+    try:  # the whole op on a world of one (validation, dispatch, layout, matmul)
+        import torch.distributed as dist
+
+        import mptp_kernels
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        g = dist.group.WORLD.group_name
+        mptp_kernels.enable_symm_mem_for_group(g)
+        os.environ["MPTP_FORCE_FUSED"] = "1"
+        fns["op fused_all_gather_matmul W=1"] = lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)
+        fns["op fused_scaled_matmul_reduce_scatter W=1"] = lambda: torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+            A8, B8, sa, sb, "sum", 0, 0, g, [M, N], out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the op rows are optional
+        print(f"op rows skipped: {type(e).__name__}: {e}")
+
+    print(f"host microseconds per call, {a.calls} calls back to back (M={M} N={N} K={K}):")
+    for name, fn in fns.items():
+        try:
+            print(f"  {name:45s} {host_us(fn, a.calls):8.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name:45s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    for name in ("persistent_matmul bf16 auto", "persistent_matmul fp8 row pointer", "op fused_all_gather_matmul W=1"):
+        if name in fns:
+            print(f"\n=== cProfile: {name} ===")
+            print(profile(fns[name], a.calls))
+
+
+if __name__ == "__main__":
+    main()
