@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, geomean  # noqa: E402
+from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, geomean, with_graphs  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 
@@ -53,8 +53,6 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
     for k in kernels:
         fns[f"mptp_{k}"] = run(k)
-        if k != "pointer":
-            fns[f"mptp_{k}_consumer"] = run(k, consumer=True)
     for name in list(fns)[1:]:
         try:
             out[0].fill_(float("nan"))
@@ -110,18 +108,23 @@ def main():
     if a.tune:
         return tune(kinds, Ms, a.out, a.kernel)
     envc = env_columns()
-    rows, ratios = [], {k: [] for k in kinds}
+    rows, ratios = [], {(k, t): [] for k in kinds for t in ("", "@graph")}
     for kind in kinds:
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
             fns = providers(M, N, K, kind)
+            # GPU time without host launch cost, for cuBLAS and ours alike (see bench/NOTES.md).
+            fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer")}))
             times = {name: bench_us(fn) for name, fn in fns.items()}
             for name, us in times.items():
+                base = times["cublas@graph" if name.endswith("@graph") else "cublas"]
                 rows.append({**envc, "dtype": "bf16" if kind == "bf16" else "fp8_e4m3",
                              "scale": {"bf16": "none", "fp8_tensor": "tensor", "fp8_row": "row"}[kind],
                              "M": M, "N": N, "K": K, "provider": name, "median_us": round(us, 2),
                              "tflops": round(2 * M * N * K / us / 1e6, 1),
-                             "ratio_vs_cublas": round(times["cublas"] / us, 4)})  # fmt: skip
-            ratios[kind].append(times["cublas"] / times["mptp"])
+                             "ratio_vs_cublas": round(base / us, 4)})  # fmt: skip
+            for t in ("", "@graph"):
+                if f"mptp{t}" in times and f"cublas{t}" in times:
+                    ratios[(kind, t)].append(times[f"cublas{t}"] / times[f"mptp{t}"])
             append_rows("persistent_matmul.csv", rows[-len(times):])  # per case: a cut-off run keeps its rows
             print(f"{kind:10s} M={M:5d} N={N:5d} K={K:5d} " + " ".join(f"{n} {t:7.1f}" for n, t in times.items())
                   + f"  ratio {times['cublas'] / times['mptp']:.3f}", flush=True)  # fmt: skip
@@ -131,8 +134,8 @@ def main():
     if a.out and os.path.abspath(a.out) != os.path.abspath(RESULTS):
         shutil.copy(path, os.path.join(a.out, "persistent_matmul.csv"))
     print("\ngeometric mean of cuBLAS time / mptp time (>= 1.0 means at least cuBLAS speed):")
-    for kind, r in ratios.items():
-        print(f"  {kind:10s} {geomean(r):.3f}")
+    for (kind, t), r in ratios.items():
+        print(f"  {kind:10s} {'eager' if not t else 'CUDA graph':10s} {geomean(r):.3f}")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ KERNELS = ("auto", "pointer", "tma", "tma_flat")
 # What "auto" picks where the TMA kernel is eligible, per dtype class; measured on the H200
 # (bench/NOTES.md, providers mptp_pointer / mptp_tma / mptp_tma_flat of persistent_matmul.csv).
 # USE_TMA = False turns "auto" into "pointer" everywhere (also done after a TMA failure).
-AUTO_KERNEL = {"16bit": "tma", "fp8": "pointer"}
+AUTO_KERNEL = {"16bit": "tma", "fp8": "tma"}
 USE_TMA = True
 
 
@@ -296,7 +296,7 @@ _CONFIGS = {
     "fp8": {
         "large": Config(128, 256, 128, 8, 8, 3),
         "small_n": Config(128, 128, 128, 8, 8, 4),
-        "tiny_n": Config(64, 256, 64, 8, 4, 4),
+        "tiny_n": Config(128, 128, 128, 8, 8, 4),  # TMA sweep, 2026-12-02 (tune_tma_flat_h200.txt)
     },
     "fp32": {k: Config(64, 64, 32, 8, 4, 2) for k in ("large", "small_n", "tiny_n")},
     # Small blocks for CPU interpreter runs and tiny problems.
