@@ -39,13 +39,16 @@ def persistent(commit):
         by[(r["dtype"], r["scale"], r["M"], r["N"], r["K"])][r["provider"]] = float(r["median_us"])
     ratios = defaultdict(list)
     for (dt, sc, *_), t in by.items():
-        if "cublas" in t and "mptp" in t:
-            ratios[(dt, sc)].append(t["cublas"] / t["mptp"])
+        for kind in ("", "@graph"):
+            if f"cublas{kind}" in t and f"mptp{kind}" in t:
+                ratios[(dt, sc, kind)].append(t[f"cublas{kind}"] / t[f"mptp{kind}"])
     if not ratios:
         return ""
-    out = ["| dtype | scales | shapes | cuBLAS time / ours (geomean, >1 = faster) |", "|---|---|---|---|"]
-    for (dt, sc), r in sorted(ratios.items()):
-        out.append(f"| {dt} | {sc} | {len(r)} | {_geo(r):.3f} |")
+    out = ["| dtype | scales | shapes | cuBLAS time / ours, eager | same, CUDA graphs |", "|---|---|---|---|---|"]
+    for dt, sc in sorted({(d, s) for d, s, _ in ratios}):
+        eager, graph = ratios.get((dt, sc, ""), []), ratios.get((dt, sc, "@graph"), [])
+        g = f"{_geo(graph):.3f}" if graph else "n/a"
+        out.append(f"| {dt} | {sc} | {len(eager)} | {_geo(eager):.3f} | {g} |")
     return "\n".join(out)
 
 
@@ -56,13 +59,15 @@ def fused(name, commit):
         by[(r["mode"], r["world_size"], r["dtype"], int(r["M"]), int(r["N"]), int(r["K"]))][r["provider"]] = float(r["median_us"])
     if not by:
         return ""
-    out = ["| mode | W | dtype | M | N | K | mptp us | unfused us | speedup | vs max(matmul, comm) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| mode | W | dtype | M | N | K | mptp us | unfused us | speedup | vs max(matmul, comm) | speedup, CUDA graphs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, t in sorted(by.items()):
         unfused = t.get("copy_cublas", t.get("nccl_cublas"))
         bound = max(t.get("matmul_only", 0), t.get("comm_only", 0))
+        g_unfused = t.get("copy_cublas@graph", t.get("nccl_cublas@graph"))
+        g = f"{g_unfused / t['mptp@graph']:.2f}x" if g_unfused and "mptp@graph" in t else "n/a"
         out.append(f"| {' | '.join(map(str, key))} | {t['mptp']:.1f} | {unfused:.1f} | {unfused / t['mptp']:.2f}x | "
-                   f"{100 * (t['mptp'] / bound - 1):+.1f}% |")
+                   f"{100 * (t['mptp'] / bound - 1):+.1f}% | {g} |")
     return "\n".join(out)
 
 

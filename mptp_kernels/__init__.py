@@ -18,6 +18,14 @@ from .ops import (
     restride_A_shard_for_fused_all_gather_matmul,
 )
 
+
+def path_counts() -> dict:
+    """{(op name, "fused" | "reference"): calls} in this process: which path each op took."""
+    from .ops.dispatch import PATH_COUNTS
+
+    return dict(PATH_COUNTS)
+
+
 try:
     from . import _build_info as build_info
 except ImportError:  # running from a source tree that was never installed
@@ -35,6 +43,7 @@ __all__ = [
     "fused_matmul_reduce_scatter",
     "fused_scaled_matmul_reduce_scatter",
     "is_symm_mem_enabled_for_group",
+    "path_counts",
     "restride_A_for_fused_matmul_reduce_scatter",
     "restride_A_shard_for_fused_all_gather_matmul",
 ]
