@@ -67,23 +67,31 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     return fns
 
 
-def tune(kinds, Ms, out_dir, kernel="auto"):
+def tune(kinds, Ms, out_dir, kernel="auto", Ns=None):
+    """Config sweep, each candidate timed from a CUDA graph (GPU time, no launch cost)."""
+
+    def graph_us(fn):
+        return bench_us(with_graphs({"f": fn})["f@graph"])
+
     cands = [pm.Config(*c) for c in [
         (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
         (256, 128, 64, 8, 8, 3), (128, 256, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4),
-        (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4),
+        (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 4),
+        (128, 64, 128, 8, 4, 4), (64, 128, 64, 8, 4, 6),
     ]]  # fmt: skip
     lines = []
     for kind in kinds:
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
-            base = bench_us(providers(M, N, K, kind, cands[0], kernels=())["cublas"])
+            if Ns and N not in Ns:
+                continue
+            base = graph_us(providers(M, N, K, kind, cands[0], kernels=())["cublas"])
             res = []
             for c in cands:
                 if kind == "bf16" and c.BLOCK_K == 128 and c.num_stages > 3:
                     continue
                 try:
                     fns = providers(M, N, K, kind, c, kernels=() if kernel == "auto" else (kernel,))
-                    res.append((bench_us(fns["mptp" if kernel == "auto" else f"mptp_{kernel}"]), c))
+                    res.append((graph_us(fns["mptp" if kernel == "auto" else f"mptp_{kernel}"]), c))
                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                     print(f"skip {c}: {type(e).__name__}")
             t, c = min(res, key=lambda x: x[0])
@@ -101,12 +109,13 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep configs instead of benchmarking")
     p.add_argument("--kinds", default="bf16,fp8_tensor,fp8_row")
     p.add_argument("--kernel", default="auto", help="--tune: which kernel family (persistent_matmul kernel=)")
+    p.add_argument("--Ns", default=None, help="--tune: only these N (comma-separated)")
     p.add_argument("--out", default=None, help="also copy the CSV here")
     a = p.parse_args()
     Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
     kinds = a.kinds.split(",")
     if a.tune:
-        return tune(kinds, Ms, a.out, a.kernel)
+        return tune(kinds, Ms, a.out, a.kernel, [int(n) for n in a.Ns.split(",")] if a.Ns else None)
     envc = env_columns()
     rows, ratios = [], {(k, t): [] for k in kinds for t in ("", "@graph")}
     for kind in kinds:
