@@ -151,6 +151,21 @@ def test_tma_kernels_fp8_scales_bias(kernel, a_mode, with_bias):
     assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["pointer", *TMA_KERNELS])
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
+def test_big_tiles_on_small_odd_shapes(kernel, dtype):
+    """Production-size tiles larger than the operands (K < BLOCK_K, M and N not multiples)."""
+    M, K, N, W = 300, 48, 520, 3
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    out_dtype = torch.float32 if dtype == FP8 else dtype
+    cfg = pm.Config(128, 128, 128, 8, 8, 3) if dtype == FP8 else pm.Config(128, 256, 64, 8, 8, 3)
+    flags = torch.ones(W, dtype=torch.int32, device=DEV)
+    order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), out_dtype), num_chunks=W, order=order, flags=flags,
+                                mode=pm.MODE_CONSUMER, config=cfg, kernel=kernel)  # fmt: skip
+    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).to(out_dtype), k=2.0, atol=1e-5)
+
+
 def test_forced_tma_kernel_refuses_what_it_cannot_serve():
     A, Bs = _inputs(64, 32, (16, 16), torch.float16, SEED)
     with pytest.raises(ValueError, match="kernel='tma' needs one B"):
