@@ -163,7 +163,10 @@ def test_big_tiles_on_small_odd_shapes(kernel, dtype):
     order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
     (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), out_dtype), num_chunks=W, order=order, flags=flags,
                                 mode=pm.MODE_CONSUMER, config=cfg, kernel=kernel)  # fmt: skip
-    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).to(out_dtype), k=2.0, atol=1e-5)
+    # FP8 products are exact in fp32, so the eager fp32 result has no error here, while the FP8
+    # tensor-core accumulation keeps fewer bits (measured 6.5e-5 relative on the H200 at K = 48).
+    atol = 3e-4 if dtype == FP8 else 1e-5
+    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).to(out_dtype), k=2.0, atol=atol)
 
 
 def test_forced_tma_kernel_refuses_what_it_cannot_serve():
