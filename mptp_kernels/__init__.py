@@ -20,7 +20,7 @@ from .ops import (
 
 
 def path_counts() -> dict:
-    """{(op name, "fused" | "reference"): calls} in this process: which path each op took."""
+    """{(op name, "fused" | "reference"): calls} of the CUDA ops in this process (CPU calls run the reference)."""
     from .ops.dispatch import PATH_COUNTS
 
     return dict(PATH_COUNTS)
