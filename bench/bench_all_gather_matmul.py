@@ -24,7 +24,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_persistent_matmul import make  # noqa: E402
-from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_TP8_NK,
+    add_symm_mem,
+    env_columns,
+    loopback_summary,
+    parse_fused_args,
+    run_cases,
+    with_graphs,
+)
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
@@ -151,16 +159,7 @@ def main():
         head = f"{c['dtype']:10s} W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
         if a.mode != "loopback":
             return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
-        parts = []
-        for sfx in ("@graph", ""):
-            if f"mptp{sfx}" not in t:
-                continue
-            bound = max(t[f"matmul_only{sfx}"], t[f"comm_only{sfx}"])
-            parts.append(f"{sfx or '@eager'}: mptp {t[f'mptp{sfx}']:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
-                         f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {t[f'copy_cublas{sfx}']:7.1f} "
-                         f"vs max {100 * (t[f'mptp{sfx}'] / bound - 1):+5.1f}% "
-                         f"speedup {t[f'copy_cublas{sfx}'] / t[f'mptp{sfx}']:.3f}")  # fmt: skip
-        return f"{head} | " + " | ".join(parts)
+        return f"{head} | {loopback_summary(t)}"
 
     write = a.mode != "real" or torch.distributed.get_rank() == 0
     run_cases("all_gather_matmul.csv", cases, make, envc, summarize, a.out, write)

@@ -23,7 +23,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, add_symm_mem, env_columns, parse_fused_args, run_cases, with_graphs  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_TP8_NK,
+    add_symm_mem,
+    env_columns,
+    loopback_summary,
+    parse_fused_args,
+    run_cases,
+    with_graphs,
+)
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.kernels.reduce import reduce_partials  # noqa: E402
@@ -99,13 +107,7 @@ def main():
         head = f"bf16 W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
         if a.mode != "loopback":
             return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
-        parts = []
-        for sfx in ("@graph", ""):
-            if f"mptp{sfx}" in t:
-                parts.append(f"{sfx or '@eager'}: mptp {t[f'mptp{sfx}']:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
-                             f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {t[f'copy_cublas{sfx}']:7.1f} "
-                             f"speedup {t[f'copy_cublas{sfx}'] / t[f'mptp{sfx}']:.3f}")  # fmt: skip
-        return f"{head} | " + " | ".join(parts)
+        return f"{head} | {loopback_summary(t)}"
 
     write = a.mode != "real" or torch.distributed.get_rank() == 0
     run_cases("matmul_reduce_scatter.csv", cases, make, envc, summarize, a.out, write)

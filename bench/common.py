@@ -136,3 +136,17 @@ def with_graphs(fns: dict) -> dict:
         except Exception as e:  # noqa: BLE001 - report, keep the eager number
             print(f"{name}: no graph timing ({type(e).__name__}: {e})")
     return out
+
+
+def loopback_summary(t: dict) -> str:
+    """One line per timing kind ('@graph', eager) of a loopback case's provider times."""
+    parts = []
+    for sfx in ("@graph", ""):
+        if f"mptp{sfx}" not in t:
+            continue
+        mptp, unfused = t[f"mptp{sfx}"], t[f"copy_cublas{sfx}"]
+        bound = max(t[f"matmul_only{sfx}"], t[f"comm_only{sfx}"])
+        parts.append(f"{sfx or '@eager'}: mptp {mptp:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
+                     f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {unfused:7.1f} "
+                     f"vs max {100 * (mptp / bound - 1):+5.1f}% speedup {unfused / mptp:.3f}")  # fmt: skip
+    return " | ".join(parts)

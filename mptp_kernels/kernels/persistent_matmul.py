@@ -242,11 +242,12 @@ def _persistent_matmul_tma_kernel(
             tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tma_ok(A, B, scatter_to, mode, allow_fp8) -> bool:
+def _tma_ok(A, Bs, scatter_to, mode) -> bool:
     """The TMA kernel serves one B, no scatter, 16-byte aligned rows (FP8: K-major B)."""
-    if scatter_to is not None or mode == MODE_PRODUCER or A.dtype == torch.float32:
+    if len(Bs) != 1 or scatter_to is not None or mode == MODE_PRODUCER or A.dtype == torch.float32:
         return False
-    if A.element_size() == 1 and (not allow_fp8 or B.stride(0) != 1):
+    B = Bs[0]
+    if A.element_size() == 1 and B.stride(0) != 1:
         return False
     es = A.element_size()
     if A.stride(1) != 1 or (A.stride(0) * es) % 16 or A.data_ptr() % 16:
@@ -421,17 +422,13 @@ def persistent_matmul(
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
     if kernel not in KERNELS:
         raise ValueError(f"persistent_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "auto":
-        if USE_TMA and A.is_cuda and not _interpreting() and len(Bs) == 1:
-            kernel = AUTO_KERNEL["fp8" if fp8 else "16bit"]
-        if kernel == "auto" or len(Bs) != 1 or not _tma_ok(A, Bs[0], scatter_to, mode, allow_fp8=True):
-            kernel = "pointer"
-        auto = True
-    else:
-        auto = False
-        if kernel != "pointer" and (len(Bs) != 1 or not _tma_ok(A, Bs[0], scatter_to, mode, allow_fp8=True)):
-            raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no scatter, no producer mode, "
-                             "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
+    auto = kernel == "auto"
+    if auto:
+        use_tma = USE_TMA and A.is_cuda and not _interpreting() and _tma_ok(A, Bs, scatter_to, mode)
+        kernel = AUTO_KERNEL["fp8" if fp8 else "16bit"] if use_tma else "pointer"
+    elif kernel != "pointer" and not _tma_ok(A, Bs, scatter_to, mode):
+        raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no scatter, no producer mode, "
+                         "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
     if kernel != "pointer":
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat")
