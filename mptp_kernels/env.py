@@ -4,6 +4,12 @@ MPTP_TIMEOUT_S       bound on every wait, in seconds (default 60).
 MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
 MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
+MPTP_CHECK_AGREEMENT 1: on groups without an mptp workspace (gloo on CPU, NCCL), check
+                     with one small collective per call that every rank makes the same
+                     call (default 0; groups with a workspace always check, for free).
+MPTP_ASYNC_ERROR_HANDLING  what the watchdog does after a timed-out wait: 0 the next
+                     call raises; 1 abort at once; 2 (default) the next call raises,
+                     and the process aborts if none did within MPTP_TIMEOUT_S.
 MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 """
 
@@ -19,6 +25,14 @@ def _flag(name: str) -> bool:
 
 def timeout_s() -> float:
     return float(os.environ.get("MPTP_TIMEOUT_S", "60"))
+
+
+def check_agreement() -> bool:
+    return _flag("MPTP_CHECK_AGREEMENT")
+
+
+def async_error_handling() -> int:
+    return int(os.environ.get("MPTP_ASYNC_ERROR_HANDLING", "2"))
 
 
 def log_enabled() -> bool:

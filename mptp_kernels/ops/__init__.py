@@ -7,9 +7,25 @@ import torch.distributed as dist
 
 
 def _name(group: Union[str, "dist.ProcessGroup", None]) -> str:
+    if isinstance(group, str):
+        return group
     if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "mptp: no default process group: call torch.distributed.init_process_group() "
+                "first, or pass group="
+            )
         group = dist.group.WORLD
-    return group if isinstance(group, str) else group.group_name
+    if not hasattr(group, "group_name"):
+        raise ValueError(f"group: expected a ProcessGroup, its group_name, or None, got {type(group).__name__}")
+    return group.group_name
+
+
+def _blist(arg: str, Bs) -> list:
+    from .validate import check_list
+
+    check_list(arg, Bs)
+    return list(Bs)
 
 
 def fused_all_gather_matmul(
@@ -33,7 +49,7 @@ def fused_all_gather_matmul(
         (A_full or None, [A_full @ B_i]), A_full: [*S with S[gather_dim] * W, K].
     """
     return torch.ops.mptp.fused_all_gather_matmul(
-        A, list(Bs), gather_dim, _name(group), return_A=return_A
+        A, _blist("Bs", Bs), gather_dim, _name(group), return_A=return_A
     )
 
 
@@ -64,7 +80,7 @@ def fused_all_gather_scaled_matmul(
     """
     n = len(Bs)
     return torch.ops.mptp.fused_all_gather_scaled_matmul(
-        A, list(Bs), A_scale, list(B_scales), gather_dim, _name(group),
+        A, _blist("Bs", Bs), A_scale, _blist("B_scales", B_scales), gather_dim, _name(group),
         list(biases) if biases is not None else [None] * n,
         list(result_scales) if result_scales is not None else [None] * n,
         list(out_dtypes) if out_dtypes is not None else [None] * n,
@@ -142,13 +158,49 @@ def restride_A_for_fused_matmul_reduce_scatter(t: torch.Tensor, scatter_dim: int
     return _contiguous_for_perm(t, perm)
 
 
-_ENABLED_GROUPS: set = set()
+# group_name -> the process group object enabled under that name. Names are reused
+# after destroy_process_group: a name enables only the very object it was enabled for.
+_ENABLED_GROUPS: dict = {}
+
+
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - unknown name
+        return None
 
 
 def enable_symm_mem_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> None:
-    """Lets the fused path (and the FX pass) use symmetric memory on this group."""
-    _ENABLED_GROUPS.add(_name(group_name))
+    """Lets the fused path (and the FX pass) use mptp symmetric memory on this group.
+
+    Not collective: the group's workspace is created by the first op call on it
+    (on every rank), or by mptp_kernels.symm.reserve().
+    """
+    name = _name(group_name)
+    # A name not (yet) registered binds to the first group that resolves it.
+    _ENABLED_GROUPS[name] = group_name if not isinstance(group_name, str) else _resolve(name)
 
 
 def is_symm_mem_enabled_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> bool:
-    return _name(group_name) in _ENABLED_GROUPS
+    name = _name(group_name)
+    if name not in _ENABLED_GROUPS:
+        return False
+    pg, now = _ENABLED_GROUPS[name], _resolve(name)
+    if pg is None:
+        if now is None:
+            return True
+        _ENABLED_GROUPS[name] = pg = now
+    return now is None or now is pg
+
+
+def shutdown() -> None:
+    """Frees every mptp workspace (collective over each group: call it on every rank) and forgets enabled groups."""
+    from ..symm import _C
+
+    if _C.lib() is not None:
+        from ..symm import primitives
+
+        primitives.free_workspaces()
+    _ENABLED_GROUPS.clear()

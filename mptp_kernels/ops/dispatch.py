@@ -1,72 +1,269 @@
-"""CUDA implementations: the fused path when it can serve the call, else the reference.
+"""Every call of a torch.ops.mptp op on real tensors comes here (CPU and CUDA).
 
-The fused path is used when the extension is built, the group is enabled for
-symmetric memory, the inputs qualify and the size heuristic says fusion wins;
-otherwise the reference path runs (NCCL) and the reason is logged once.
+Per call, on every rank:
+  1. validate the inputs locally (a bad input is not raised yet where peers can be told);
+  2. where the group has an mptp workspace (CUDA, extension built, group enabled,
+     ranks on one host): exchange the call's signature and local decisions
+     through the workspace's host rendezvous; elsewhere do so with one small
+     collective when MPTP_CHECK_AGREEMENT=1. Every rank then raises the same
+     ValueError if any rank rejected its inputs or the calls disagree;
+  3. decide fused or reference from what every rank published (fused only if
+     every rank's call qualifies; workspace grown to the largest need), so the
+     decision is identical on every rank by construction;
+  4. run: the fused path, or the reference on the group's transport (mptp
+     symmetric memory, NCCL functional collectives, or host staging for gloo
+     with CUDA tensors).
+The path taken is counted in PATH_COUNTS ((op, "fused" | "reference") -> calls of
+CUDA tensors) and logged once per reason under MPTP_LOG=1.
 """
 
+import functools
+import math
 from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
 
 from .. import env
-from . import reference
+from . import agreement, reference, transport, validate
+from .agreement import Call, dtype_code, shape_fields
 
-# (op name, "fused" | "reference") -> number of calls; tests read it.
+# (op name, "fused" | "reference") -> number of calls on CUDA tensors; tests read it.
 PATH_COUNTS: Counter = Counter()
+# (op name, transport name) -> calls of the reference path on CUDA tensors.
+TRANSPORT_COUNTS: Counter = Counter()
+
+_GROUP_ARG = {
+    "fused_all_gather_matmul": 3,
+    "fused_all_gather_scaled_matmul": 5,
+    "fused_matmul_reduce_scatter": 4,
+    "fused_scaled_matmul_reduce_scatter": 7,
+}
+_REFERENCE = {
+    "fused_all_gather_matmul": reference.all_gather_matmul,
+    "fused_all_gather_scaled_matmul": reference.all_gather_scaled_matmul,
+    "fused_matmul_reduce_scatter": reference.matmul_reduce_scatter,
+    "fused_scaled_matmul_reduce_scatter": reference.scaled_matmul_reduce_scatter,
+}
+_UNSERVABLE: dict = {}  # (id(process group), device) -> why no workspace can serve it
 
 
-def _fused():
+def _fused_module():
     try:
         from . import fused
-    except ImportError as e:  # triton missing, or no extension
+    except ImportError as e:  # triton missing
         return None, f"fused path unavailable: {e}"
     return fused, None
 
 
-def _run(name: str, ref_fn, *args, **kwargs):
-    if env.fused_disabled():
-        env.log_once((name, "disabled"), "%s: MPTP_DISABLE_FUSED=1, using the reference path", name)
-        PATH_COUNTS[(name, "reference")] += 1
+def _enabled(group_name: str) -> bool:
+    from . import is_symm_mem_enabled_for_group
+
+    if is_symm_mem_enabled_for_group(group_name):
+        return True
+    try:  # a group enabled through PyTorch's own API counts too
+        from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group as torch_enabled
+
+        return bool(torch_enabled(group_name))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _ceil256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+# -- 1. the call's signature -----------------------------------------------------------------------
+
+
+def describe(name: str, args, kwargs, W: int) -> Call:
+    """Validates the call (raises ValueError) and returns its signature and workspace need."""
+    A = args[0]
+    if name in ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul"):
+        scaled = name == "fused_all_gather_scaled_matmul"
+        Bs, gather_dim = args[1], args[4 if scaled else 2]
+        validate.check_list("Bs", Bs)
+        _, gd = validate.all_gather_matmul(A, Bs, gather_dim, args[_GROUP_ARG[name]], scaled=scaled)
+        must = [("A.dtype", dtype_code(A.dtype)), ("gather_dim", gd)] + shape_fields("A", A.shape)
+        free = [("num_Bs", len(Bs))] + [(f"Bs[{i}].N", B.shape[1]) for i, B in enumerate(Bs)]
+        need = A.numel() * A.element_size()
+        if scaled:
+            A_scale, B_scales, biases, result_scales, out_dtypes, fast = args[2], args[3], *args[6:10]
+            mode = validate.all_gather_scaled_lists(A, Bs, A_scale, B_scales, biases, result_scales,
+                                                    out_dtypes, fast, gd, W)  # fmt: skip
+            for d in out_dtypes:
+                validate.to_dtype(d)
+            must += [("A_scale.mode", list(validate.ScaleMode).index(mode))]
+            if mode == validate.ScaleMode.ROW_WISE_SHARDED:
+                need = _ceil256(need) + A_scale.numel() * 4
+        return Call(name, must, free, need=need)
+    # matmul-reduce-scatter
+    scaled = name == "fused_scaled_matmul_reduce_scatter"
+    B, reduce_op = args[1], args[4 if scaled else 2]
+    if scaled:
+        A_scale, B_scale, orig_sd, sd_after, group_name, output_shape, bias, result_scale, out_dtype = (
+            args[2], args[3], args[5], args[6], args[7], args[8], *args[9:12])  # fmt: skip
+        validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
+        validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
+        out_dtype = validate.to_dtype(out_dtype) or A.dtype
+        out_shape = list(output_shape) if output_shape is not None else [*A.shape[:-1], B.shape[1]]
+        if math.prod(out_shape) != A.numel() // max(A.shape[-1], 1) * B.shape[1] or out_shape[-1] != B.shape[1]:
+            raise ValueError(
+                f"output_shape: expected {B.shape[1]} last and {A.numel() // max(A.shape[-1], 1) * B.shape[1]} "
+                f"elements in all (A's rows x B's columns), got {out_shape}"
+            )
+        sd = validate.norm_dim(orig_sd, len(out_shape), "orig_scatter_dim")
+        validate.check_divisible(out_shape, sd, W, "orig_scatter_dim")
+        must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)
+    else:
+        _, sd = validate.matmul_reduce_scatter(A, B, reduce_op, args[3], args[4], scaled=False)
+        out_dtype = A.dtype
+        out_shape = [*A.shape[:-1], B.shape[1]]
+        must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)
+    must += [("A.dtype", dtype_code(A.dtype)), ("reduce_op", validate._REDUCE_OPS.index(reduce_op))]
+    need = math.prod(out_shape) * torch.empty((), dtype=out_dtype).element_size()
+    return Call(name, must, [("K", A.shape[-1])], need=need)
+
+
+# -- 2.-4. --------------------------------------------------------------------------------------
+
+
+def _workspace(group_name: str, device, need: int):
+    """The group's workspace (created at the group's first call), or None with why not."""
+    from ..symm import _C
+
+    if _C.lib() is None:
+        return None, _C.why_unavailable()
+    if not _enabled(group_name):
+        return None, f"group {group_name!r} is not enabled (mptp_kernels.enable_symm_mem_for_group)"
+    from ..symm import primitives as P
+
+    pg = P._group(group_name)
+    key = (id(pg), str(device))
+    if key in _UNSERVABLE and _UNSERVABLE[key][0] is pg:
+        return None, _UNSERVABLE[key][1]
+    ws = P.lookup(group_name, device)
+    if ws is not None:
+        return ws, None
+    try:
+        return P.get_workspace(group_name, max(need, 1), device), None
+    except RuntimeError as e:
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        # NOTE: creation agrees on every rank (SymmetricMemory raises on all), so they all fall back.
+        _UNSERVABLE[key] = (pg, str(e))
+        env.log_once(("unservable", group_name), "mptp: %s", e)
+        return None, str(e)
+
+
+def _cuda_transport(group_name: str):
+    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    if "nccl" in str(dist.get_backend(pg)).lower():
+        return None
+    return transport.HostTransport()
+
+
+def _count(name: str, path: str, A) -> None:
+    if isinstance(A, torch.Tensor) and A.is_cuda:
+        PATH_COUNTS[(name, path)] += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(name: str):
+    import inspect
+
+    return inspect.signature(_REFERENCE[name])
+
+
+def run(name: str, *args, **kwargs):
+    bound = _signature(name).bind(*args, **kwargs)
+    bound.apply_defaults()
+    args, kwargs = bound.args, bound.kwargs
+    A = args[0]
+    group_name = args[_GROUP_ARG[name]]
+    ref_fn = _REFERENCE[name]
+    W = validate.group_size(group_name)  # an unknown group is raised at once: no peer to tell
+    is_cuda = isinstance(A, torch.Tensor) and A.is_cuda
+    if is_cuda:
+        from ..symm import _C
+
+        if _C.lib() is not None:
+            from ..symm import primitives as P
+
+            P.check_errors(group_name, dist.get_rank() if dist.is_initialized() else -1)
+    try:
+        call = describe(name, args, kwargs, W)
+        local_err = None
+    except (ValueError, TypeError, IndexError) as e:
+        call, local_err = Call(name, error=f"{type(e).__name__}: {e}"), e
+    if local_err is not None and not isinstance(A, torch.Tensor):
+        raise local_err
+
+    fused_mod, why = (None, "A is not a CUDA tensor") if not is_cuda else _fused_module()
+    runner = None
+    if fused_mod is not None and local_err is None:
+        if env.fused_disabled():
+            why = "MPTP_DISABLE_FUSED=1"
+        else:
+            runner, why = fused_mod.plan(name, W, *args, **kwargs)
+    call.fusable = runner is not None
+
+    ws, ws_why = (None, None)
+    if is_cuda and W > 1:
+        ws, ws_why = _workspace(group_name, A.device, call.need)
+    if ws is None and runner is not None and W > 1:
+        runner, why = None, ws_why
+        call.fusable = False
+
+    payloads = None
+    what = f"mptp {name} on group {group_name!r}"
+    if W > 1 and ws is not None:
+        from ..symm.rendezvous import PeerTimeout
+
+        try:
+            payloads = ws.rendezvous.exchange(call.encode(), what)
+        except PeerTimeout as e:
+            raise RuntimeError(str(e)) from None
+    elif W > 1 and env.check_agreement():
+        payloads = agreement.exchange_collective(call.encode(), group_name, what)
+    if payloads is not None:
+        rank = ws.rank if ws is not None else dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))
+        try:
+            fuse, need = agreement.resolve(call, payloads, rank, group_name)
+        except ValueError as e:
+            if local_err is not None:
+                raise local_err from e
+            raise
+        if not fuse and runner is not None:
+            runner, why = None, "a peer rank's call does not qualify for the fused path"
+        if ws is not None and need > ws.nbytes:
+            from ..symm import primitives as P
+
+            ws = P.get_workspace(group_name, need, A.device)  # every rank grows: same max
+    elif local_err is not None:
+        raise local_err
+
+    if runner is not None:
+        _count(name, "fused", A)
+        env.log_once((name, "fused"), "%s: fused path", name)
+        return runner(ws)
+    _count(name, "reference", A)
+    tr = None
+    if is_cuda and W > 1:
+        tr = transport.SymmTransport(ws) if ws is not None else _cuda_transport(group_name)
+        TRANSPORT_COUNTS[(name, tr.name if tr is not None else "nccl")] += 1
+    env.log_once((name, why, getattr(tr, "name", None)), "%s: reference path (%s) over %s", name, why,
+                 getattr(tr, "name", "functional collectives"))  # fmt: skip
+    with transport.using(tr):
         return ref_fn(*args, **kwargs)
-    fused, why = _fused()
-    if fused is not None:
-        impl, why = fused.plan(name, *args, **kwargs)
-        if impl is not None:
-            PATH_COUNTS[(name, "fused")] += 1
-            env.log_once((name, "fused"), "%s: fused path", name)
-            return impl()
-    env.log_once((name, why), "%s: reference path (%s)", name, why)
-    PATH_COUNTS[(name, "reference")] += 1
-    return ref_fn(*args, **kwargs)
 
 
-def all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
-    return _run(
-        "fused_all_gather_matmul", reference.all_gather_matmul, A, Bs, gather_dim, group_name,
-        return_A=return_A,
-    )  # fmt: skip
+def _op(name):
+    return functools.partial(run, name)
 
 
-def all_gather_scaled_matmul(A, Bs, A_scale, B_scales, gather_dim, group_name, biases,
-                             result_scales, out_dtypes, use_fast_accum):  # fmt: skip
-    return _run(
-        "fused_all_gather_scaled_matmul", reference.all_gather_scaled_matmul, A, Bs, A_scale,
-        B_scales, gather_dim, group_name, biases, result_scales, out_dtypes, use_fast_accum,
-    )  # fmt: skip
-
-
-def matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
-    return _run(
-        "fused_matmul_reduce_scatter", reference.matmul_reduce_scatter, A, B, reduce_op,
-        scatter_dim, group_name,
-    )  # fmt: skip
-
-
-def scaled_matmul_reduce_scatter(A, B, A_scale, B_scale, reduce_op, orig_scatter_dim,
-                                 scatter_dim_after_maybe_reshape, group_name, output_shape,
-                                 bias=None, result_scale=None, out_dtype=None,
-                                 use_fast_accum=False):  # fmt: skip
-    return _run(
-        "fused_scaled_matmul_reduce_scatter", reference.scaled_matmul_reduce_scatter, A, B,
-        A_scale, B_scale, reduce_op, orig_scatter_dim, scatter_dim_after_maybe_reshape,
-        group_name, output_shape, bias, result_scale, out_dtype, use_fast_accum,
-    )  # fmt: skip
+all_gather_matmul = _op("fused_all_gather_matmul")
+all_gather_scaled_matmul = _op("fused_all_gather_scaled_matmul")
+matmul_reduce_scatter = _op("fused_matmul_reduce_scatter")
+scaled_matmul_reduce_scatter = _op("fused_scaled_matmul_reduce_scatter")

@@ -16,7 +16,11 @@ NOTE: the matmul spins only on flags written by copy-engine memops of its own
 process; every cross-rank wait is a tiny kernel launched before the matmul
 holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
 Flags are reset to 0 after each call and the consumer waits for >= 1, so a
-captured CUDA graph stays correct on replay.
+captured CUDA graph stays correct on replay. Every op waits for DONE first; the
+workspace hands out one DONE credit per peer when it is created, so the first
+op (also one captured in a CUDA graph) waits like every later one.
+A timed-out wait poisons: the consumer and the reduction write NaN where they
+could not compute (they read the process's error record), and the next call raises.
 """
 
 import functools
@@ -32,7 +36,7 @@ from ..symm import _C
 from ..symm import primitives as P
 from . import reference, validate
 
-CH_READY, CH_DONE = 1, 2
+CH_READY, CH_DONE = P.CH_READY, P.CH_DONE
 _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # Below this many FLOPs (about 0.45 ms of bf16 matmul on an H200) the eager
 # host-side cost of the fused path (a few hundred microseconds of launches,
@@ -45,43 +49,15 @@ _TAG_AG = P.register_tag("fused_all_gather_matmul")
 _TAG_RS = P.register_tag("fused_matmul_reduce_scatter")
 
 
-class _State:
-    """Per-workspace extras: the side stream, chunk flags, whether DONE was ever signalled."""
-
-    def __init__(self, ws: P.SymmetricMemory):
-        self.ws = ws
-        self.side = torch.cuda.Stream(device=ws.device)
-        self.flags = torch.zeros(ws.world_size, dtype=torch.int32, device=ws.device)
-        self.primed = False
-        W, r = ws.world_size, ws.rank
-        # Chunk orders: all-gather consumes its own chunk first; reduce-scatter
-        # produces the next rank's chunk first and its own last.
-        self.ag_order = torch.tensor([(r + i) % W for i in range(W)], dtype=torch.int32, device=ws.device)
-        self.rs_order = torch.tensor([(r + 1 + i) % W for i in range(W)], dtype=torch.int32, device=ws.device)
-
-
-_STATES = {}
-
-
-def _state(ws: P.SymmetricMemory) -> _State:
-    st = _STATES.get(id(ws))
-    if st is None or st.ws is not ws:
-        st = _State(ws)
-        _STATES[id(ws)] = st
-    return st
-
-
-def _common_reason(A: torch.Tensor, group_name: str) -> Optional[str]:
+def _common_reason(A: torch.Tensor) -> Optional[str]:
     if not A.is_cuda:
         return "A is not a CUDA tensor"
     if _C.lib() is None:
         return _C.why_unavailable()
-    from . import is_symm_mem_enabled_for_group
-
-    if not is_symm_mem_enabled_for_group(group_name):
-        return f"group {group_name!r} is not enabled (mptp_kernels.enable_symm_mem_for_group)"
     if A.dtype not in _FUSABLE:
-        return f"dtype {A.dtype} is not fused (bf16, fp16, float8_e4m3fn are)"
+        return f"dtype {A.dtype} is not fused (bf16, fp16, float8_e4m3fn are; fp32 runs the reference)"
+    if A.numel() == 0:
+        return "A is empty"
     return None
 
 
@@ -89,11 +65,12 @@ def _small(flops: float) -> bool:
     return flops < _MIN_FLOPS and not env.force_fused()
 
 
-def _begin(ws: P.SymmetricMemory, st: _State, tag: int) -> None:
+def _begin(ws: P.SymmetricMemory, tag: int) -> None:
     ws.check()
-    if st.primed:
-        # Every peer finished touching symmetric buffers in the previous op.
-        ws.wait_signal(CH_DONE, tag=tag)
+    if torch.cuda.is_current_stream_capturing():
+        ws.captured = True
+    # Every peer finished touching symmetric buffers in the previous op (or the creation credit).
+    ws.wait_signal(CH_DONE, tag=tag)
 
 
 # -- all-gather-matmul ----------------------------------------------------------------------------
@@ -112,7 +89,7 @@ def _scaled_launches(A_full, Bs, a_s, scaled, **kw):
     return outs
 
 
-def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
+def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     """scaled: None, or (A_scale, mode, B_scales, biases, out_dtypes, fast_accum)."""
     if W == 1:  # no communication: the matmul alone
         K = A.shape[-1]
@@ -126,7 +103,7 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         outs = [o.view(*lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
         A_ret = A2.clone().view(*lead, K).movedim(0, gather_dim) if return_A else None
         return A_ret, outs
-    rank = torch.distributed.get_rank(P._group(group_name))
+    rank = ws.rank
     K = A.shape[-1]
     A2 = A.movedim(gather_dim, 0).contiguous().view(-1, K)
     rows = A2.shape[0]
@@ -138,8 +115,8 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     if scaled is not None and scaled[1] == validate.ScaleMode.ROW_WISE_SHARDED:
         scale_rows = scaled[0].movedim(gather_dim, 0).contiguous().view(-1).float()
         nbytes = math.ceil(nbytes / 256) * 256 + rows * 4
-    ws = P.get_workspace(group_name, nbytes, dev)
-    st = _state(ws)
+    assert nbytes <= ws.nbytes, (nbytes, ws.nbytes)
+    st = ws
     main = torch.cuda.current_stream(dev)
     A_full = torch.empty(W * rows, K, device=dev, dtype=A.dtype)
     chunks = list(A_full.view(torch.uint8).view(W, -1).unbind(0)) if A.element_size() == 1 else list(A_full.view(W, -1).unbind(0))
@@ -151,7 +128,7 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         n = A2.numel() * A2.element_size()
         return buf[:n]
 
-    _begin(ws, st, _TAG_AG)
+    _begin(ws, _TAG_AG)
     a_bytes = A2.view(torch.uint8).view(-1) if A2.element_size() == 1 else A2.view(-1)
     my_slot(rank).view(a_bytes.dtype).copy_(a_bytes)
     chunks[rank].copy_(a_bytes)
@@ -173,7 +150,7 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     P.pull_chunks(copies, 1, stream=st.side)
     ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
-              timeout_s=env.timeout_s(), err=ws.err)  # fmt: skip
+              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG)  # fmt: skip
     if scaled is None:
         outs2 = pm.persistent_matmul(A_full, Bs, **kw)
     else:
@@ -187,7 +164,6 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
     st.flags.zero_()
     main.wait_stream(st.side)
-    st.primed = True
     A_full.record_stream(st.side)
     if scale_full is not None:
         scale_full.record_stream(st.side)
@@ -197,7 +173,7 @@ def _ag_run(A, Bs, gather_dim, group_name, return_A, W, scaled=None):
 
 
 def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref=None):
-    why = _common_reason(A, group_name)
+    why = _common_reason(A)
     if why:
         return None, why
     W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=scaled_args is not None)
@@ -212,13 +188,13 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
         return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
     if ref is None:
         ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
-    return (lambda: _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled_args, *ref)), None
+    return (lambda ws: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref)), None
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
 
 
-def _rs_run(A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None):
+def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None):
     """scaled: None or (A_scale, B_scale, bias, out_dtype, fast_accum)."""
     if W == 1:  # no communication: the matmul alone ("avg" over one rank is the identity)
         A2 = A.reshape(-1, A.shape[-1])
@@ -231,7 +207,7 @@ def _rs_run(A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None)
                                           biases=[bias] if bias is not None else None,
                                           out_dtype=out_dtype, fast_accum=fast)  # fmt: skip
         return out.view(*out_shape)
-    rank = torch.distributed.get_rank(P._group(group_name))
+    rank = ws.rank
     K, N = A.shape[-1], B.shape[1]
     lead = list(out_shape[:-1])
     A2 = A.movedim(scatter_dim, 0).contiguous().view(-1, K) if A.dim() > 2 or scatter_dim else A
@@ -239,12 +215,11 @@ def _rs_run(A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None)
     Mc = M // W
     out_dtype = A.dtype if scaled is None else scaled[3]
     elem = torch.empty((), dtype=out_dtype).element_size()
-    ws = P.get_workspace(group_name, W * Mc * N * elem, A.device)
-    st = _state(ws)
-    _begin(ws, st, _TAG_RS)
+    assert W * Mc * N * elem <= ws.nbytes, (W * Mc * N * elem, ws.nbytes)
+    _begin(ws, _TAG_RS)
     # Slot r of rank c's buffer receives our partial product of chunk c.
     dests = [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)]
-    kw = dict(num_chunks=W, order=st.rs_order, scatter_to=dests)
+    kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests)
     if scaled is None:
         pm.persistent_matmul(A2, [B], **kw)
     else:
@@ -260,15 +235,14 @@ def _rs_run(A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None)
     sc_lead.insert(0, sc_lead.pop(scatter_dim))
     sc_lead[0] //= W
     out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
     ws.put_signal(CH_DONE)
-    st.primed = True
     out = out.view(*sc_lead, N).movedim(0, scatter_dim)
     return out.contiguous() if scatter_dim else out
 
 
 def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_shape=None):
-    why = _common_reason(A, group_name)
+    why = _common_reason(A)
     if why:
         return None, why
     W, sd = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, scaled_args is not None)
@@ -283,7 +257,7 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
     M = A.numel() // A.shape[-1]
     if _small(2 * M * A.shape[-1] * B.shape[1]):
         return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
-    return (lambda: _rs_run(A, B, reduce_op, sd, group_name, W, out_shape, scaled_args)), None
+    return (lambda ws: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args)), None
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -325,8 +299,8 @@ def _key(*args):  # noqa: D103
                  else tuple(_key(x) for x in a) if isinstance(a, list) else a for a in args)  # fmt: skip
 
 
-def _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
-    A_ret, outs = _ag_run(A, Bs, gd, group_name, return_A, W, scaled)
+def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
+    A_ret, outs = _ag_run(ws, A, Bs, gd, group_name, return_A, W, scaled)
     name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
     key = (name, repr(getattr(ref_fn, "keywords", None)), _key(*ref_args))
     (la,), lo = _reference_layout(ref_fn, key, ref_args)
@@ -336,8 +310,12 @@ def _ag_with_layout(A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args
 # -- entry point ----------------------------------------------------------------------------------
 
 
-def plan(name, *args, **kwargs):
-    """Returns (callable, None) when the fused path serves this call, else (None, reason)."""
+def plan(name, W, *args, **kwargs):
+    """Returns (runner, None) when the fused path can serve this rank's call, else (None, reason).
+
+    runner(ws) runs the call on the group's workspace (None when W == 1). The
+    inputs were validated by the dispatcher; the decision is combined over ranks there.
+    """
     if name == "fused_all_gather_matmul":
         A, Bs, gather_dim, group_name = args
         return _plan_ag(A, Bs, gather_dim, group_name, kwargs.get("return_A", True))

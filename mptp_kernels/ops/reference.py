@@ -10,29 +10,37 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import validate
+from . import transport, validate
 from .validate import ScaleMode
 
-_funcol = torch.ops._c10d_functional
-
-
 def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    """Gathers `t` along dim 0. FP8 travels as bytes (gloo cannot send it)."""
+    """Gathers `t` along dim 0 on the call's transport (functional collectives by default)."""
     t = t.contiguous()
-    if t.dtype in validate.FP8_DTYPES:
-        out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.view(torch.uint8), W, group_name))
-        return out.view(t.dtype)
-    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+    tr = transport.current()
+    if tr is not None:
+        return tr.all_gather(t, W, group_name)
+    return transport.funcol_all_gather(t, W, group_name)
 
 
 def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, group_name: str):
-    """Reduce-scatters `t` along `scatter_dim`; the result is contiguous."""
+    """Reduce-scatters `t` along `scatter_dim`; the result is contiguous, in t's dtype.
+
+    "avg" divides the sum by W (integers: truncating, so the dtype is kept).
+    """
     if scatter_dim != 0:
         # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
         t = torch.cat(t.chunk(W, dim=scatter_dim), dim=0)
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t.contiguous(), "sum", W, group_name))
+    t = t.contiguous()
+    tr = transport.current()
+    if tr is not None:
+        out = tr.reduce_scatter(t, W, group_name)
+    else:
+        out = transport.funcol_reduce_scatter(t, W, group_name)
     if reduce_op == "avg":
-        out = out / W
+        if out.is_floating_point():
+            out = out / W
+        else:
+            out = torch.div(out, W, rounding_mode="trunc")
     return out
 
 

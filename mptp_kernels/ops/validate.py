@@ -13,11 +13,13 @@ import torch.distributed.distributed_c10d as c10d
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _REDUCE_OPS = ("sum", "avg")
 
-# c10/core/ScalarType.h order: out_dtypes arrive as these integers through the dispatcher.
+# c10/core/ScalarType.h order (stable since torch 2.1): ScalarType arguments arrive as
+# these integers through the dispatcher (checked by tests/ops/test_validate.py).
 _SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
     5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool,
-    15: torch.bfloat16, 16: torch.float8_e5m2, 17: torch.float8_e4m3fn,
+    15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+    25: torch.float8_e5m2fnuz, 26: torch.float8_e4m3fnuz,
 }  # fmt: skip
 
 
@@ -97,8 +99,14 @@ def scale_mode(A_shard: torch.Tensor, A_scale: torch.Tensor, gather_dim: int, W:
     )
 
 
+def check_list(arg: str, lst) -> None:
+    if isinstance(lst, torch.Tensor) or not isinstance(lst, (list, tuple)):
+        raise ValueError(f"{arg}: expected a list of tensors, got {type(lst).__name__} (wrap a single B in a list)")
+
+
 def all_gather_matmul(A, Bs: Sequence, gather_dim: int, group_name: str, scaled: bool) -> tuple:
     """Checks the all-gather-matmul inputs; returns (world_size, normalized gather_dim)."""
+    check_list("Bs", Bs)
     _check_A(A)
     W = group_size(group_name)
     gather_dim = norm_dim(gather_dim, A.dim(), "gather_dim")

@@ -30,6 +30,11 @@ Pseudo-code of a barrier on rank r:
 """
 
 import ctypes
+import os
+import socket
+import sys
+import threading
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 from .. import env
 from . import _C
+from .rendezvous import HostRendezvous
 
 NUM_CHANNELS = 16
 CH_BARRIER = 0
@@ -100,35 +106,94 @@ class _ErrorRecord:
         return list(rec) if rec[0] else None
 
 
-_GROUP_OF_ERRORS: Dict[int, str] = {}
-
-
-def check_errors(group_name: str = "?", rank: int = -1) -> None:
-    """Raises RuntimeError if any wait of this process timed out."""
-    rec = _ErrorRecord.read()
-    if rec is None:
-        return
+def _error_message(rec, group_name: str = "?", rank: int = -1) -> str:
     _, channel, peer, expected, seen, tag = rec
     what = _TAGS.get(tag, f"tag {tag}")
     if channel == -1:
         detail = f"waiting for chunk {peer} (copied from peer rank {peer}) to arrive"
     else:
         detail = f"waiting for peer rank {peer} on channel {channel}"
-    raise RuntimeError(
+    return (
         f"mptp {what}: timed out after {env.timeout_s():g}s (MPTP_TIMEOUT_S) on group "
         f"{group_name!r}, rank {rank}, {detail} (expected epoch {expected}, saw {seen}). "
-        "A peer did not join the call or died; this process's symmetric memory is now "
-        "unusable: restart the job."
+        "A peer did not join the call or died; the outputs of that call were poisoned with "
+        "NaN, and this process's symmetric memory is now unusable: restart the job."
     )
+
+
+def check_errors(group_name: str = "?", rank: int = -1) -> None:
+    """Raises RuntimeError if any wait of this process timed out (every later call raises too)."""
+    rec = _ErrorRecord.read()
+    if rec is None:
+        return
+    _Watchdog.surfaced = True
+    raise RuntimeError(_error_message(rec, group_name, rank))
+
+
+class _Watchdog:
+    """A host thread that polls the error record, in the spirit of NCCL's async error handling.
+
+    MPTP_ASYNC_ERROR_HANDLING: 0 = only the next op call raises; 1 = print the error
+    and abort the process as soon as it is seen; 2 (default) = the next op call
+    raises, and if none has within MPTP_TIMEOUT_S of the error, print it and abort,
+    so a job never goes on computing on poisoned data without being told.
+    """
+
+    surfaced = False
+    _thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls._thread is not None or env.async_error_handling() == 0:
+            return
+        cls._thread = threading.Thread(target=cls._loop, name="mptp-watchdog", daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def _loop(cls) -> None:
+        seen_at = None
+        while True:
+            time.sleep(0.1)
+            rec = _ErrorRecord.read()
+            if rec is None:
+                continue
+            mode = env.async_error_handling()
+            now = time.monotonic()
+            seen_at = seen_at if seen_at is not None else now
+            if mode == 0:
+                return
+            if mode == 1 or (not cls.surfaced and now - seen_at > env.timeout_s()):
+                rank = dist.get_rank() if dist.is_initialized() else -1
+                sys.stderr.write(
+                    f"[mptp watchdog] aborting process (MPTP_ASYNC_ERROR_HANDLING={mode}): "
+                    f"{_error_message(rec, rank=rank)}\n"
+                )
+                sys.stderr.flush()
+                os.abort()
+            if cls.surfaced:
+                return
+
+
+CH_READY, CH_DONE = 1, 2  # used by the ops: data published / finished with peers' buffers
 
 
 class SymmetricMemory:
     """One buffer per rank of `group`, mapped by every rank, plus signal pads.
 
+    Creation is collective and agrees by construction: every rank allocates the
+    largest size any rank asked for, and a failure on any rank (a peer it cannot
+    map) raises the same RuntimeError on every rank.
+
     Attributes:
         buffers: list of W uint8 tensors (rank r's buffer, as seen from here).
         buffer_ptrs: device tensor [W] int64 of those pointers (for kernels).
         pads: list of W int32 tensors [NUM_CHANNELS * W] (rank r's signal pad).
+        rendezvous: the per-call host rendezvous of the group (ranks share a host).
+        side, flags, ag_order, rs_order: the ops' side stream, chunk flags and
+            chunk orders, created here so that a first op inside CUDA-graph
+            capture needs no allocation.
+        captured: set by an op that ran under CUDA-graph capture; such a
+            workspace is never freed before shutdown() (a graph may replay it).
     """
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
@@ -139,47 +204,83 @@ class SymmetricMemory:
         self.world_size = W = dist.get_world_size(group)
         self.device = device = torch.device(device)
         self._freed = False
+        self.captured = False
         self._local: List[int] = []
         self._opened: List[int] = []
+        self.rendezvous = None
+        # Every rank allocates the same (largest) size.
+        sizes: List = [None] * W
+        dist.all_gather_object(sizes, int(nbytes), group=group)
+        nbytes = max(sizes)
         with torch.cuda.device(device):
             buf, granted = self._alloc(lib, max(nbytes, 1))
             pad, _ = self._alloc(lib, NUM_CHANNELS * W * 4)
         self.nbytes = granted
-        # Phase 1: export the local handles as bytes.
+        # Phase 1: export the local handles as bytes (rank 0 also creates the rendezvous file).
         hb = lib.mptp_ipc_handle_bytes()
         handles = []
         for ptr in (buf, pad):
             h = ctypes.create_string_buffer(hb)
             _C.check(lib.mptp_export_handle(ctypes.c_void_p(ptr), h), "cudaIpcGetMemHandle")
             handles.append(h.raw)
+        shm_path = None
+        if self.rank == 0 and W > 1:
+            shm_path = HostRendezvous.new_path()
+            self.rendezvous = HostRendezvous(shm_path, 0, W, create=True)
         # Phase 2: exchange over the process group, then open the peers'.
-        all_handles: List = [None] * W
-        dist.all_gather_object(all_handles, (handles, granted, str(device)), group=group)
-        sizes = {g for _, g, _ in all_handles}
-        if len(sizes) != 1:
-            raise RuntimeError(f"SymmetricMemory: ranks asked for different sizes {sorted(sizes)}")
-        buf_ptrs, pad_ptrs = [], []
-        for r, (hs, _, _) in enumerate(all_handles):
-            if r == self.rank:
-                buf_ptrs.append(buf)
-                pad_ptrs.append(pad)
-                continue
-            opened = []
-            for h in hs:
-                p = ctypes.c_void_p()
-                with torch.cuda.device(device):
-                    rc = lib.mptp_import_handle(h, ctypes.byref(p))
-                if rc != 0:
-                    msg = lib.mptp_last_error().decode(errors="replace")
-                    raise RuntimeError(
-                        f"SymmetricMemory: rank {self.rank} cannot map rank {r}'s memory on group "
-                        f"{self.group_name!r} ({msg}). The fused path needs all ranks' GPUs in one "
-                        "node with peer access; use the reference path (MPTP_DISABLE_FUSED=1)."
-                    )
-                opened.append(p.value)
-                self._opened.append(p.value)
-            buf_ptrs.append(opened[0])
-            pad_ptrs.append(opened[1])
+        info = (handles, granted, str(device), socket.gethostname(), shm_path)
+        all_info: List = [None] * W
+        dist.all_gather_object(all_info, info, group=group)
+        buf_ptrs, pad_ptrs, problem = [], [], None
+        try:
+            hosts = {h for _, _, _, h, _ in all_info}
+            if len(hosts) != 1:
+                raise RuntimeError(f"the group spans hosts {sorted(hosts)}")
+            if self.rank != 0 and W > 1:
+                self.rendezvous = HostRendezvous(all_info[0][4], self.rank, W, create=False)
+            for r, (hs, _, _, _, _) in enumerate(all_info):
+                if r == self.rank:
+                    buf_ptrs.append(buf)
+                    pad_ptrs.append(pad)
+                    continue
+                opened = []
+                for h in hs:
+                    p = ctypes.c_void_p()
+                    with torch.cuda.device(device):
+                        rc = lib.mptp_import_handle(h, ctypes.byref(p))
+                    if rc != 0:
+                        msg = lib.mptp_last_error().decode(errors="replace")
+                        raise RuntimeError(f"cannot map rank {r}'s memory ({msg})")
+                    opened.append(p.value)
+                    self._opened.append(p.value)
+                buf_ptrs.append(opened[0])
+                pad_ptrs.append(opened[1])
+        except (RuntimeError, OSError) as e:
+            problem = f"rank {self.rank}: {e}"
+        # Agree: every rank raises if any rank failed.
+        problems: List = [None] * W
+        dist.all_gather_object(problems, problem, group=group)
+        if shm_path is not None:
+            try:
+                os.unlink(shm_path)  # every rank has it mapped (or failed): keep no file behind
+            except OSError:
+                pass
+        bad = [p for p in problems if p is not None]
+        if bad:
+            for p in self._opened:
+                lib.mptp_close_handle(ctypes.c_void_p(p))
+            for p in (buf, pad):
+                lib.mptp_free(ctypes.c_void_p(p))
+            self._opened, self._freed = [], True
+            if self.rendezvous is not None:
+                self.rendezvous.close()
+            raise RuntimeError(
+                f"SymmetricMemory: group {self.group_name!r} cannot be served by mptp symmetric "
+                f"memory ({'; '.join(bad)}). The fused path needs all ranks' GPUs in one host "
+                "with peer access; the ops fall back to torch.distributed collectives."
+            )
+        if self.rendezvous is not None:
+            self.rendezvous.read_pids()
         self.buffers = [tensor_at(p, granted, device, self) for p in buf_ptrs]
         self.pads = [tensor_at(p, NUM_CHANNELS * W * 4, device, self).view(torch.int32) for p in pad_ptrs]
         self._buf_ptrs, self._pad_ptrs = buf_ptrs, pad_ptrs
@@ -187,7 +288,20 @@ class SymmetricMemory:
         host, dev = _ErrorRecord.pointers()
         self.err = tensor_at(dev, 24, device).view(torch.int32)
         self._init_signals()
+        self._init_op_state()
         self._self_check()
+        _Watchdog.start()
+
+    def _init_op_state(self) -> None:
+        W, r, dev = self.world_size, self.rank, self.device
+        self.side = torch.cuda.Stream(device=dev)
+        self.flags = torch.zeros(W, dtype=torch.int32, device=dev)
+        # All-gather consumes its own chunk first; reduce-scatter produces the next rank's first.
+        self.ag_order = torch.tensor([(r + i) % W for i in range(W)], dtype=torch.int32, device=dev)
+        self.rs_order = torch.tensor([(r + 1 + i) % W for i in range(W)], dtype=torch.int32, device=dev)
+        # NOTE: one DONE credit per peer up front, so every op (the first one too,
+        # also inside a CUDA graph) waits for DONE before touching a peer's buffer.
+        self.put_signal(CH_DONE)
 
     @staticmethod
     def _alloc(lib, nbytes):
@@ -282,6 +396,15 @@ class SymmetricMemory:
         for p in (self._buf_ptrs[self.rank], self._pad_ptrs[self.rank]):
             _C.check(lib.mptp_free(ctypes.c_void_p(p)), "cudaFree")
         self._opened = []
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+
+    def abandon(self) -> None:
+        """Forgets the workspace of a destroyed group without any collective (its memory is leaked)."""
+        self._freed = True
+        self.buffers, self.pads = [], []
+        if self.rendezvous is not None:
+            self.rendezvous.close()
 
 
 def write_value(flag: torch.Tensor, value: int, stream=None) -> None:
@@ -311,23 +434,55 @@ def pull_chunks(copies, value: int = 1, stream=None) -> None:
                                      value & 0xFFFFFFFF, n), "pull_chunks")  # fmt: skip
 
 
+# (id(process group), device) -> workspace. Keyed by the group object, not its name:
+# names are reused after destroy_process_group. ws.group keeps the object (and its id) alive.
 _WORKSPACES: Dict[tuple, SymmetricMemory] = {}
+# Workspaces replaced by a larger one while a captured CUDA graph may still replay them.
+_RETIRED: List[SymmetricMemory] = []
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    try:
+        return _resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001 - c10d raises various types
+        raise ValueError(f"group_name: no process group named {group_name!r} is registered ({e})") from None
+
+
+def _alive(pg: dist.ProcessGroup) -> bool:
+    from torch.distributed.distributed_c10d import _world
+
+    return pg in _world.pg_names
+
+
+def _prune() -> None:
+    """Drops workspaces of destroyed groups (no collective is possible on them: their memory is leaked)."""
+    for key, ws in list(_WORKSPACES.items()):
+        if not _alive(ws.group):
+            del _WORKSPACES[key]
+            ws.abandon()
+
+
+def lookup(group_name: str, device: torch.device) -> Optional[SymmetricMemory]:
+    """The workspace of the group now named group_name on device, if it has one."""
+    _prune()
+    pg = _group(group_name)
+    ws = _WORKSPACES.get((id(pg), str(torch.device(device))))
+    return ws if ws is not None and ws.group is pg else None
 
 
 def get_workspace(group_name: str, nbytes: int, device: torch.device) -> SymmetricMemory:
-    """The group's workspace with at least nbytes per rank; grown (collectively) if needed.
+    """The group's workspace with at least nbytes per rank; created or grown (collectively) if needed.
 
-    NOTE: growth is a collective over the process group and reallocates, so it is
-    refused during CUDA-graph capture: call reserve() before capturing.
+    NOTE: creation and growth are collectives over the process group: every rank
+    must call this with the same decision (the ops decide from the per-call
+    rendezvous, so they do). Refused during CUDA-graph capture: call reserve()
+    before capturing. A workspace that a captured graph used is kept alive
+    (never freed before shutdown()) when a larger one replaces it.
     """
-    key = (group_name, str(device))
-    ws = _WORKSPACES.get(key)
+    device = torch.device(device)
+    ws = lookup(group_name, device)
     if ws is not None and ws.nbytes >= nbytes:
         return ws
     if torch.cuda.is_current_stream_capturing():
@@ -338,10 +493,15 @@ def get_workspace(group_name: str, nbytes: int, device: torch.device) -> Symmetr
             f"mptp_kernels.symm.reserve({group_name!r}, {nbytes}) (or run the op once eagerly) "
             "before capturing."
         )
+    pg = _group(group_name)
     if ws is not None:
-        ws.free()
-    ws = SymmetricMemory(_group(group_name), nbytes, device)
-    _WORKSPACES[key] = ws
+        del _WORKSPACES[(id(pg), str(device))]
+        if ws.captured:
+            _RETIRED.append(ws)
+        else:
+            ws.free()
+    ws = SymmetricMemory(pg, nbytes, device)
+    _WORKSPACES[(id(pg), str(device))] = ws
     return ws
 
 
@@ -351,7 +511,11 @@ def reserve(group_name: str, nbytes: int, device: Optional[torch.device] = None)
 
 
 def free_workspaces() -> None:
-    """Frees every workspace (collective over each group)."""
-    for ws in list(_WORKSPACES.values()):
-        ws.free()
+    """Frees every workspace, retired ones included (collective over each live group)."""
+    for ws in list(_WORKSPACES.values()) + _RETIRED:
+        if _alive(ws.group):
+            ws.free()
+        else:
+            ws.abandon()
     _WORKSPACES.clear()
+    _RETIRED.clear()

@@ -1,0 +1,164 @@
+"""Cross-rank agreement: every rank makes the same call, and takes the same decisions.
+
+Each call builds a Call: the fields that must agree on every rank (op, shapes
+that travel, dtypes, dims, reduce op), fields that may differ (per-rank N of an
+all-gather-matmul's Bs, per-rank K of a matmul-reduce-scatter), the local
+decisions (can this rank's call be fused, how many workspace bytes it needs)
+and a local validation error, if any. The encoded Calls are exchanged (through
+the group's host rendezvous where it has a workspace, else, with
+MPTP_CHECK_AGREEMENT=1, through one small collective), and resolve() returns
+the same answer on every rank: a ValueError naming both calls when they
+disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
+"""
+
+import struct
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+
+OPS = (
+    "fused_all_gather_matmul",
+    "fused_all_gather_scaled_matmul",
+    "fused_matmul_reduce_scatter",
+    "fused_scaled_matmul_reduce_scatter",
+)
+_DTYPES = (
+    None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
+MAX_DIMS = 8
+PAYLOAD_BYTES = 512
+_HEAD = struct.Struct("<5q")  # op, fusable, need, n_must, n_free
+
+
+def dtype_code(d) -> int:
+    return _DTYPES.index(d) if d in _DTYPES else 99
+
+
+def shape_fields(name: str, shape: Sequence[int]) -> List[Tuple[str, int]]:
+    dims = list(shape)
+    if len(dims) > MAX_DIMS:
+        return [(f"{name}.ndim", len(dims))] + [(f"{name}[{i}]", int(d)) for i, d in enumerate(dims)][:MAX_DIMS]
+    return [(f"{name}.ndim", len(dims))] + [(f"{name}[{i}]", int(d)) for i, d in enumerate(dims)]
+
+
+@dataclass
+class Call:
+    op: str
+    must: List[Tuple[str, int]] = field(default_factory=list)
+    free: List[Tuple[str, int]] = field(default_factory=list)
+    fusable: bool = False
+    need: int = 0
+    error: Optional[str] = None
+
+    def encode(self) -> bytes:
+        head = _HEAD.pack(OPS.index(self.op), int(self.fusable), int(self.need), len(self.must), len(self.free))
+        vals = [v for _, v in self.must] + [v for _, v in self.free]
+        body = struct.pack(f"<{len(vals)}q", *vals)
+        room = PAYLOAD_BYTES - len(head) - len(body)
+        err = (self.error or "").encode(errors="replace")[: max(room, 0)]
+        return head + body + err
+
+
+@dataclass
+class Decoded:
+    op: str
+    fusable: bool
+    need: int
+    must: bytes
+    must_vals: Tuple[int, ...]
+    free_vals: Tuple[int, ...]
+    error: Optional[str]
+
+
+def decode(b: bytes) -> Decoded:
+    op, fusable, need, nm, nf = _HEAD.unpack_from(b, 0)
+    off = _HEAD.size
+    must = b[off : off + 8 * nm]
+    mv = struct.unpack_from(f"<{nm}q", b, off)
+    fv = struct.unpack_from(f"<{nf}q", b, off + 8 * nm)
+    err = b[off + 8 * (nm + nf) :].decode(errors="replace") or None
+    return Decoded(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", bool(fusable), need, must, mv, fv, err)
+
+
+def _describe(d: Decoded, names: List[str]) -> str:
+    if len(names) == len(d.must_vals):
+        fields = ", ".join(f"{n}={_pretty(n, v)}" for n, v in zip(names, d.must_vals))
+    else:
+        fields = ", ".join(str(v) for v in d.must_vals)
+    return f"{d.op}({fields})"
+
+
+def _pretty(name: str, v: int) -> str:
+    if name.endswith("dtype") and 0 <= v < len(_DTYPES):
+        return str(_DTYPES[v]).replace("torch.", "")
+    if name == "reduce_op":
+        return ("sum", "avg")[v] if v in (0, 1) else str(v)
+    return str(v)
+
+
+def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int]:
+    """Returns (fuse, need) identically on every rank, or raises the same ValueError on every rank."""
+    ds = [decode(p) for p in payloads]
+    bad = [(p, d.error) for p, d in enumerate(ds) if d.error]
+    if bad:
+        p, msg = bad[0]
+        who = "this rank" if p == rank else f"peer rank {p}"
+        raise ValueError(
+            f"mptp {call.op} on group {group_name!r}: {who} rejected its inputs, so every rank "
+            f"raises: {msg}" + (f" (ranks {[q for q, _ in bad]} rejected theirs)" if len(bad) > 1 else "")
+        )
+    names = [n for n, _ in call.must]
+    for p, d in enumerate(ds):
+        if d.op != ds[0].op or d.must != ds[0].must:
+            raise ValueError(
+                f"mptp {call.op} on group {group_name!r}: the ranks disagree on the call, so every "
+                f"rank raises (rank {rank} sees this). Rank 0 called {_describe(ds[0], names)}; "
+                f"rank {p} called {_describe(d, names)}. Every rank must pass the same shapes "
+                "(except the per-rank N of all-gather-matmul's Bs and K of matmul-reduce-scatter), "
+                "dtypes, dims and reduce op."
+            )
+    return all(d.fusable for d in ds), max(d.need for d in ds)
+
+
+def _collective_device(pg) -> torch.device:
+    backend = str(dist.get_backend(pg)).lower()
+    if "gloo" in backend and ("cpu:" not in backend or "cpu:gloo" in backend):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def exchange_collective(payload: bytes, group_name: str, what: str) -> List[bytes]:
+    """One all-gather of a fixed-size byte tensor over the group, bounded by MPTP_TIMEOUT_S."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group_name)
+    W = dist.get_world_size(pg)
+    dev = _collective_device(pg)
+    buf = torch.zeros(PAYLOAD_BYTES + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    buf[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buf = buf.to(dev)
+    outs = [torch.empty_like(buf) for _ in range(W)]
+    work = dist.all_gather(outs, buf, group=pg, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=env.timeout_s()))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what}: rank {dist.get_rank(pg)} did not hear from every peer of group {group_name!r} "
+            f"within {env.timeout_s():g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on "
+            f"another group, or died ({e})"
+        ) from None
+    if ok is False:
+        raise RuntimeError(f"{what}: the agreement collective on group {group_name!r} failed")
+    res = []
+    for o in outs:
+        o = o.cpu()
+        n = int(o[:8].view(torch.int64).item())
+        res.append(bytes(o[8 : 8 + n].tolist()))
+    return res

@@ -1,0 +1,129 @@
+"""Collectives of the reference (decomposed) path, on a transport that works for the group.
+
+  * SymmTransport: the group's mptp symmetric memory. All-gather: the local
+    shard into my buffer, READY, copy-engine pulls of every peer's shard, DONE.
+    Reduce-scatter: copy-engine pushes of chunk c into slot r of rank c's
+    buffer, READY, an fp32 reduction in rank order, DONE. Raw bytes, so every
+    dtype travels; every wait is bounded and a timed-out call's output is NaN.
+  * None (functional collectives): NCCL groups, and every CPU call.
+  * HostTransport: gloo groups with CUDA tensors and no workspace: staged
+    through host memory (gloo's all-gather-into-tensor crashes on CUDA tensors,
+    pytorch/pytorch#152645).
+reference.py calls all_gather / reduce_scatter, which use the transport the
+dispatcher installed for the call (using()), else functional collectives.
+"""
+
+import contextlib
+import threading
+
+import torch
+
+from ..symm import primitives as P
+
+_funcol = torch.ops._c10d_functional
+_current = threading.local()
+_TAG = P.register_tag("reference path collective")
+
+
+@contextlib.contextmanager
+def using(transport):
+    prev = getattr(_current, "t", None)
+    _current.t = transport
+    try:
+        yield
+    finally:
+        _current.t = prev
+
+
+def current():
+    return getattr(_current, "t", None)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def funcol_all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    if t.dtype.itemsize == 1 and t.dtype != torch.uint8:  # FP8 and int8 travel as bytes (gloo cannot send FP8)
+        return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.view(torch.uint8), W, group_name)).view(t.dtype)
+    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+
+
+def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
+
+
+class HostTransport:
+    """gloo with CUDA tensors: copy to the host, run the collective there, copy back."""
+
+    name = "host-staged gloo"
+
+    def all_gather(self, t, W, group_name):
+        return funcol_all_gather(t.cpu(), W, group_name).to(t.device)
+
+    def reduce_scatter(self, t, W, group_name):
+        if t.dtype.itemsize == 1 and t.is_floating_point():  # FP8 sums in fp32 on the host, rounded once
+            return funcol_reduce_scatter(t.cpu().float(), W, group_name).to(t.device, t.dtype)
+        return funcol_reduce_scatter(t.cpu(), W, group_name).to(t.device)
+
+
+class SymmTransport:
+    """The group's mptp workspace (ranks of one host): copy-engine moves of raw bytes."""
+
+    name = "mptp symmetric memory"
+
+    def __init__(self, ws: "P.SymmetricMemory"):
+        self.ws = ws
+
+    def all_gather(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+        from ..kernels.poison import poison_if_error
+
+        ws, r = self.ws, self.ws.rank
+        src = _as_bytes(t)
+        n = src.numel()
+        assert n <= ws.nbytes, (n, ws.nbytes)
+        out = torch.empty(W, n, dtype=torch.uint8, device=t.device)
+        if torch.cuda.is_current_stream_capturing():
+            ws.captured = True
+        ws.check()
+        ws.wait_signal(P.CH_DONE, tag=_TAG)
+        ws.buffers[r][:n].copy_(src)
+        ws.put_signal(P.CH_READY)
+        ws.wait_signal(P.CH_READY, tag=_TAG)
+        copies = [(out[p], src if p == r else ws.buffers[p][:n], None) for p in range(W)]
+        P.pull_chunks(copies)
+        ws.put_signal(P.CH_DONE)
+        poison_if_error(out, ws.err)
+        return out.view(t.dtype).view(W * t.shape[0], *t.shape[1:]) if t.dim() else out.view(t.dtype)
+
+    def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+        """t: [W * c, ...] contiguous; returns the sum over ranks of chunk `rank` ([c, ...], t's dtype)."""
+        from ..kernels.poison import poison_if_error
+        from ..kernels.reduce import reduce_partials
+
+        ws, r = self.ws, self.ws.rank
+        t = t.contiguous()
+        chunks = _as_bytes(t).view(W, -1)
+        n = chunks.shape[1]
+        assert W * n <= ws.nbytes, (W * n, ws.nbytes)
+        if torch.cuda.is_current_stream_capturing():
+            ws.captured = True
+        ws.check()
+        ws.wait_signal(P.CH_DONE, tag=_TAG)
+        # Slot r of rank c's buffer receives my chunk c (copy engine, over the peer mapping).
+        P.pull_chunks([(ws.buffers[c][r * n : (r + 1) * n], chunks[c], None) for c in range(W)])
+        ws.put_signal(P.CH_READY)
+        ws.wait_signal(P.CH_READY, tag=_TAG)
+        mine = ws.buffers[r][: W * n].view(t.dtype).view(W, -1)
+        out_shape = (t.shape[0] // W, *t.shape[1:])
+        if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2):
+            out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
+            reduce_partials(mine, out.view(-1))  # NOTE: fp32, rank order: deterministic
+        else:  # fp64 and integers: exact enough, in the dtype itself, in rank order
+            out = mine[0].clone()
+            for p in range(1, W):
+                out += mine[p]
+            out = out.view(out_shape)
+        ws.put_signal(P.CH_DONE)
+        poison_if_error(out, ws.err)
+        return out
