@@ -60,3 +60,8 @@ for _name, _schema in SCHEMAS.items():
     lib.impl(_name, _REFERENCE[_name], "CPU")
     lib.impl(_name, _CUDA[_name], "CUDA")
     torch.library.register_fake(f"mptp::{_name}", _REFERENCE[_name], lib=lib)
+
+# Autograd (fused backwards; the scaled ops are forward-only): ops/autograd.py.
+from .ops import autograd as _autograd  # noqa: E402
+
+_autograd.register(lib)

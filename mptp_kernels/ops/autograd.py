@@ -1,0 +1,162 @@
+"""Autograd for the torch.ops.mptp ops. Every backward is itself a torch.ops.mptp call,
+so it takes the fused path wherever the forward can (CUDA, enabled group).
+
+All-gather-matmul, C_i = A_full @ B_i with A_full = all_gather(A, gather_dim):
+    dA   = reduce_scatter(sum_i dC_i @ B_i^T, gather_dim)
+         = fused_matmul_reduce_scatter([dC_0 | dC_1 | ...], [B_0 | B_1 | ...]^T)   (one call)
+    dB_i = A_full^T @ dC_i        (A_full saved by the forward: no second all-gather)
+  Gathering the last (K) dim is the same formula: dC_i @ B_i^T is [*S, W*K] and the
+  reduce-scatter splits its last dim. A gradient flowing into the returned A_full
+  joins the same reduce-scatter through identity rows (rare: only when A_full is used).
+Matmul-reduce-scatter, C = reduce_scatter(A @ B, scatter_dim):
+    dC_full, dA = fused_all_gather_matmul(dC, [B^T], scatter_dim, return_A=True)
+    dB   = A^T @ dC_full          (the gathered dC of that call)
+    reduce_op "avg" divides dC by the world size first.
+The scaled (FP8) ops are forward-only: backpropagating through one raises.
+
+NOTE: the all-gather-matmul forward needs A_full for dB even when the caller asked
+for return_A=False. Its autograd kernel is the one torch.library.register_autograd
+builds (torch._library.autograd.make_autograd_impl), wrapped so that the op below
+autograd runs with return_A=True whenever a gradient is needed and A_full is then
+dropped from what the caller sees. Where that builder is missing, plain
+register_autograd is used and the backward gathers A again.
+"""
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+_SCALED = ("fused_all_gather_scaled_matmul", "fused_scaled_matmul_reduce_scatter")
+
+
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[*S, X] -> [prod(S), X], rows in `dim`-major order (a free view for the ops' layouts).
+
+    When dim is the last one (the K gather / N scatter), rows keep their natural order.
+    """
+    if dim != t.dim() - 1:
+        t = t.movedim(dim, 0)
+    return t.reshape(-1, t.shape[-1])
+
+
+def _gather(A: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
+    """all_gather(A, gather_dim) through the op itself (any transport), with a one-column B."""
+    W = c10d._get_group_size_by_name(group_name)
+    k = A.shape[-1] * (W if gather_dim == A.dim() - 1 else 1)
+    A_full, _ = torch.ops.mptp.fused_all_gather_matmul(
+        A, [A.new_zeros(k, 1)], gather_dim, group_name, return_A=True
+    )
+    return A_full
+
+
+# -- all-gather-matmul ----------------------------------------------------------------------------
+
+
+def _ag_setup_context(ctx, inputs, keyword_only_inputs, output):
+    A, Bs, gather_dim, group_name = inputs
+    A_full = output[0]
+    ctx.gather_dim = gather_dim % A.dim()
+    ctx.group_name = group_name
+    # Unused outputs (often A_full) get None, not a materialized zero gradient.
+    ctx.set_materialize_grads(False)
+    ctx.regather = A_full is None  # only without the return_A rewrite (see register)
+    ctx.save_for_backward(A if A_full is None else A_full, *Bs)
+
+
+def _ag_backward(ctx, dA_full, dCs):
+    A_full, *Bs = ctx.saved_tensors
+    d, g = ctx.gather_dim, ctx.group_name
+    need_A, need_Bs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    live = [(dC, B) for dC, B in zip(dCs, Bs) if dC is not None]
+    dA = None
+    if need_A and (live or dA_full is not None):
+        cols = [dC for dC, _ in live]
+        rows = [B.t() for _, B in live]
+        if dA_full is not None:
+            k_full = dA_full.shape[-1]
+            cols.append(dA_full)
+            rows.append(torch.eye(k_full, dtype=dA_full.dtype, device=dA_full.device))
+        G = cols[0].contiguous() if len(cols) == 1 else torch.cat(cols, dim=-1)
+        Bt = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+        dA = torch.ops.mptp.fused_matmul_reduce_scatter(G, Bt, "sum", d, g)
+    dBs = [None] * len(Bs)
+    if any(need_Bs) and live:
+        if ctx.regather:
+            A_full = _gather(A_full, d, g)
+        A2t = _rows(A_full, d).t()
+        for i, (dC, need) in enumerate(zip(dCs, need_Bs)):
+            if need and dC is not None:
+                dBs[i] = A2t @ _rows(dC, d)
+    return dA, dBs, None, None
+
+
+def _register_all_gather_matmul(lib) -> None:
+    name = "fused_all_gather_matmul"
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+    except ImportError:
+        torch.library.register_autograd(
+            f"mptp::{name}", _ag_backward, setup_context=_ag_setup_context, lib=lib
+        )
+        return
+    inner = make_autograd_impl(
+        getattr(torch.ops.mptp, name).default, Info(_ag_backward, _ag_setup_context)
+    )
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if kwargs.get("return_A", True) or not (
+            torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+        ):
+            return inner(keyset, *args, **kwargs)
+        _, outs = inner(keyset, *args, **{**kwargs, "return_A": True})
+        return None, outs
+
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+# -- matmul-reduce-scatter ------------------------------------------------------------------------
+
+
+def _rs_setup_context(ctx, inputs, output):
+    A, B, reduce_op, scatter_dim, group_name = inputs
+    ctx.scatter_dim = scatter_dim % A.dim()
+    ctx.group_name = group_name
+    ctx.world_size = c10d._get_group_size_by_name(group_name) if reduce_op == "avg" else 1
+    ctx.save_for_backward(A, B)
+
+
+def _rs_backward(ctx, dC):
+    A, B = ctx.saved_tensors
+    need_A, need_B = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.world_size > 1:
+        dC = dC / ctx.world_size
+    # Only dB wanted: a one-column B keeps the all-gather and drops the matmul.
+    Bt = B.t() if need_A else B.t()[:, :1]
+    dC_full, (dA,) = torch.ops.mptp.fused_all_gather_matmul(
+        dC.contiguous(), [Bt], ctx.scatter_dim, ctx.group_name, return_A=True
+    )
+    dB = _rows(A, ctx.scatter_dim).t() @ _rows(dC_full, ctx.scatter_dim) if need_B else None
+    return (dA if need_A else None), dB, None, None, None
+
+
+# -- scaled (FP8) ops: forward-only ---------------------------------------------------------------
+
+
+def _forward_only(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"mptp::{name} is forward-only: it has no backward (FP8 training needs a scaling "
+            "recipe such as torchao.float8's). Run it under torch.no_grad() or on inputs that "
+            "do not require grad; for training use the bf16/fp16 ops, which are differentiable."
+        )
+
+    return backward
+
+
+def register(lib) -> None:
+    """Registers autograd for every torch.ops.mptp op (called once, by _library)."""
+    _register_all_gather_matmul(lib)
+    torch.library.register_autograd(
+        "mptp::fused_matmul_reduce_scatter", _rs_backward, setup_context=_rs_setup_context, lib=lib
+    )
+    for name in _SCALED:
+        torch.library.register_autograd(f"mptp::{name}", _forward_only(name), lib=lib)
