@@ -7,8 +7,8 @@ compiled extension. Implementations:
   * fake (register_fake): the reference code itself; under FakeTensorMode the
     functional collectives it calls only compute shapes and strides, so the
     fake's strides equal the reference's by construction;
-  * CPU: the reference (gloo);
-  * CUDA: ops.dispatch picks the fused path or the reference (NCCL).
+  * CPU and CUDA: ops.dispatch validates, checks that the ranks agree and runs
+    the fused path (CUDA) or the reference on the group's transport.
 """
 
 import torch
@@ -57,7 +57,7 @@ _CUDA = {
 lib = torch.library.Library("mptp", "DEF")
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_TAGS)
-    lib.impl(_name, _REFERENCE[_name], "CPU")
+    lib.impl(_name, _CUDA[_name], "CPU")  # the dispatcher runs the reference on CPU (and checks agreement)
     lib.impl(_name, _CUDA[_name], "CUDA")
     torch.library.register_fake(f"mptp::{_name}", _REFERENCE[_name], lib=lib)
 
