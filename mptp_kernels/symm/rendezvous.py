@@ -122,10 +122,11 @@ class HostRendezvous:
                 dead = [p for p in waiting if not self._alive(p)]
                 if dead or now - start > timeout:
                     peers = dead or waiting
+                    who = f"peer rank {peers[0]}" if len(peers) == 1 else f"peer ranks {', '.join(map(str, peers))}"
                     why = "has exited" if dead else f"did not reach it within {timeout:g}s (MPTP_TIMEOUT_S)"
                     raise PeerTimeout(
-                        f"{what}: rank {r} is at call #{n} of this group, and peer rank(s) {peers} "
-                        f"{why} (it skipped the call, called another op, or died). This group's "
+                        f"{what}: rank {r} is at call #{n} of this group, and {who} "
+                        f"{why} (skipped the call, called another op, or died). This group's "
                         "mptp state is now out of step: restart the job."
                     )
         out = []
