@@ -1,0 +1,306 @@
+"""Tensor-parallel layers on the fused ops: DTensor ParallelStyles and plain nn.Modules.
+
+With DTensor, a sequence-parallel plan switches to the fused path by swapping the
+style names (the parameters are the same DTensors, so optimizers and checkpoints
+do not change):
+
+    plan = {                                              # fused:
+        "w1": ColwiseParallel(input_layouts=Shard(1)),    # FusedColwiseParallel(input_layouts=Shard(1))
+        "w3": ColwiseParallel(input_layouts=Shard(1)),    # FusedColwiseParallel(input_layouts=Shard(1))
+        "w2": RowwiseParallel(output_layouts=Shard(1)),   # FusedRowwiseParallel(output_layouts=Shard(1))
+    }
+    parallelize_module(mlp, tp_mesh, plan)
+
+DTensor's styles all-gather the sequence-sharded input and then multiply
+(column-wise), or multiply and then reduce-scatter (row-wise); the fused styles
+run torch.ops.mptp.fused_all_gather_matmul / fused_matmul_reduce_scatter instead,
+forward and backward (ops/autograd.py). A plan that gathers the input in a
+PrepareModuleInput of the parent (input already replicated) leaves nothing to
+fuse: give the linears input_layouts=Shard(seq_dim) instead.
+
+Without DTensor, ColumnParallelLinear and RowParallelLinear take and return
+plain local tensors.
+"""
+
+from dataclasses import dataclass
+from types import MethodType
+from typing import Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["ColumnParallelLinear", "FusedColwiseParallel", "FusedRowwiseParallel", "RowParallelLinear"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _norm(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim % ndim) if isinstance(p, Shard) else p
+
+
+def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement) -> torch.Tensor:
+    """The local shard of x in layout `wanted`; a plain tensor is read as layout `given`."""
+    if not isinstance(x, DTensor):
+        if _norm(given, x.dim()) == _norm(wanted, x.dim()):
+            return x
+        x = DTensor.from_local(x, mesh, (given,), run_check=False)
+    if x.placements != (_norm(wanted, x.dim()),):
+        x = x.redistribute(placements=(wanted,))
+    return x.to_local()
+
+
+def _output(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, bias, cfg) -> torch.Tensor:
+    """y is the local shard in `layout`; adds a DTensor bias and applies the output layout."""
+    want = _norm(cfg.output_layout, y.dim())
+    if bias is None and cfg.use_local_output and want == _norm(layout, y.dim()):
+        return y  # the common case: no DTensor round trip
+    out = DTensor.from_local(y, mesh, (layout,), run_check=False)
+    if bias is not None:
+        out = out + bias
+    if out.placements != (want,):
+        out = out.redistribute(placements=(want,))
+    return out.to_local() if cfg.use_local_output else out
+
+
+@dataclass
+class _Config:
+    mesh: DeviceMesh
+    group_name: str
+    input_layout: Placement
+    output_layout: Placement
+    use_local_output: bool
+    dim: int  # gather dim (column-wise) or scatter dim (row-wise)
+
+
+def _colwise_forward(self: nn.Linear, x):
+    cfg: _Config = self._mptp_tp
+    x = _local_input(x, cfg.mesh, cfg.input_layout, cfg.input_layout)
+    w = _local(self.weight)  # [out_features / W, in_features]
+    _, (y,) = torch.ops.mptp.fused_all_gather_matmul(x, [w.t()], cfg.dim, cfg.group_name, return_A=False)
+    if self.bias is not None:  # sharded like the output columns: a local add
+        y = y + _local(self.bias)
+    return _output(y, cfg.mesh, Shard(-1), None, cfg)
+
+
+def _rowwise_forward(self: nn.Linear, x):
+    cfg: _Config = self._mptp_tp
+    x = _local_input(x, cfg.mesh, cfg.input_layout, Shard(-1))
+    w = _local(self.weight)  # [out_features, in_features / W]
+    y = torch.ops.mptp.fused_matmul_reduce_scatter(x, w.t(), "sum", cfg.dim, cfg.group_name)
+    # A replicated bias joins after the reduce-scatter, as a DTensor, so that DTensor
+    # reduces its gradient over the ranks' rows exactly as RowwiseParallel does.
+    return _output(y, cfg.mesh, Shard(cfg.dim), self.bias, cfg)
+
+
+def _check_mesh(style: str, mesh: DeviceMesh) -> str:
+    if mesh.ndim != 1:
+        raise ValueError(f"{style}: expected a 1-D DeviceMesh (slice the TP dim), got {mesh.ndim}-D")
+    return mesh.get_group().group_name
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel whose all-gather of a sharded input is fused with the matmul.
+
+    Drop-in for ``ColwiseParallel(input_layouts=Shard(d))`` on an ``nn.Linear``: the
+    weight (and bias) are sharded the same way (``Shard(0)``), the input is the
+    sequence-sharded activation, and ``fused_all_gather_matmul`` gathers it along d
+    while multiplying by the local weight rows; the backward is a fused
+    matmul-reduce-scatter for the input gradient and reuses the gathered input for
+    the weight gradient. The output is ``Shard(-1)`` (full sequence, this rank's
+    columns) unless ``output_layouts`` says otherwise.
+
+    Where the input is replicated (``input_layouts`` None or ``Replicate()``) there is
+    nothing to gather, and on modules other than ``nn.Linear`` there is no fused op:
+    both behave exactly like ``ColwiseParallel``.
+
+    Keyword Args:
+        input_layouts: the layout of the module input, e.g. ``Shard(1)`` for
+            [batch, seq / W, hidden] activations (a plain tensor input is read as this).
+        output_layouts: the output layout (default ``Shard(-1)``).
+        use_local_output: return a local tensor (default) or a DTensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        in_layout = self.input_layouts[0]
+        if not isinstance(module, nn.Linear) or not isinstance(in_layout, Shard):
+            return super()._apply(module, device_mesh)
+        group_name = _check_mesh(type(self).__name__, device_mesh)
+        self._partition_linear_fn("", module, device_mesh)
+        module._mptp_tp = _Config(device_mesh, group_name, in_layout, self.output_layouts[0],
+                                  self.use_local_output, in_layout.dim)  # fmt: skip
+        module.forward = MethodType(_colwise_forward, module)
+        return module
+
+
+class FusedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose reduce-scatter of the output is fused with the matmul.
+
+    Drop-in for ``RowwiseParallel(output_layouts=Shard(d))`` on an ``nn.Linear``: the
+    weight is ``Shard(1)`` and a bias ``Replicate()``, the input is sharded on its last
+    dim (the column-parallel layer's output), and ``fused_matmul_reduce_scatter``
+    produces the sequence-sharded output. The backward is a fused all-gather-matmul
+    of the output gradient, which also gives the weight gradient its gathered rows.
+
+    With a replicated output (``output_layouts`` None or ``Replicate()``: an
+    all-reduce, nothing to scatter) or on modules other than ``nn.Linear``, it behaves
+    exactly like ``RowwiseParallel``.
+
+    Keyword Args:
+        input_layouts: layout of a plain-tensor input (default ``Shard(-1)``).
+        output_layouts: e.g. ``Shard(1)`` for [batch, seq / W, hidden] outputs.
+        use_local_output: return a local tensor (default) or a DTensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        out_layout = self.output_layouts[0]
+        if not isinstance(module, nn.Linear) or not isinstance(out_layout, Shard):
+            return super()._apply(module, device_mesh)
+        group_name = _check_mesh(type(self).__name__, device_mesh)
+        self._partition_linear_fn("", module, device_mesh)
+        module._mptp_tp = _Config(device_mesh, group_name, self.input_layouts[0], out_layout,
+                                  self.use_local_output, out_layout.dim)  # fmt: skip
+        module.forward = MethodType(_rowwise_forward, module)
+        return module
+
+
+# -- plain modules (no DTensor) ----------------------------------------------------------------------
+
+
+def _group(group: Union[str, dist.ProcessGroup, None]) -> Tuple[str, int, int]:
+    """(group_name, world_size, rank) of a process group, its name, or the world (None)."""
+    if group is None:
+        group = dist.group.WORLD
+    if isinstance(group, str):
+        import torch.distributed.distributed_c10d as c10d
+
+        group = c10d._resolve_process_group(group)
+    return group.group_name, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(cls: str, arg: str, n: int, W: int) -> None:
+    if n % W:
+        raise ValueError(f"{cls}: {arg}={n} is not a multiple of the world size {W}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Column-parallel linear on a sharded input: ``y = all_gather(x, gather_dim) @ W_r^T + b_r``.
+
+    Each rank holds ``out_features / W`` rows of the weight (and of the bias). The
+    input is this rank's shard along ``gather_dim`` (e.g. the sequence); the output
+    covers the full gathered dim and this rank's output features. Forward and
+    backward run the fused ops (see FusedColwiseParallel).
+
+    Args:
+        in_features, out_features: the full layer's sizes; out_features % W == 0.
+        group: process group, its name, or None for the world.
+        gather_dim: the input dim that is sharded (default 0).
+        bias: add a (sharded) bias.
+
+    Shapes:
+        x: [*S, in_features] with S[gather_dim] = full / W -> [*S_full, out_features / W].
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, gather_dim: int = 0,
+                 bias: bool = False, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.group_name, self.world_size, self.rank = _group(group)
+        _check_divisible(type(self).__name__, "out_features", out_features, self.world_size)
+        self.in_features, self.out_features, self.gather_dim = in_features, out_features, gather_dim
+        n = out_features // self.world_size
+        self.weight = nn.Parameter(torch.empty(n, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's init of this shard (its bounds depend on in_features only).
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        if self.bias is not None:
+            bound = self.in_features**-0.5
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, gather_dim: int = 0) -> "ColumnParallelLinear":
+        """This rank's shard of a full nn.Linear (identical on every rank)."""
+        m = cls(linear.in_features, linear.out_features, group=group, gather_dim=gather_dim,
+                bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip
+        n, r = m.weight.shape[0], m.rank
+        m.weight = nn.Parameter(linear.weight.detach()[r * n : (r + 1) * n].clone())
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach()[r * n : (r + 1) * n].clone())
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
+            x, [self.weight.t()], self.gather_dim, self.group_name, return_A=False
+        )
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), gather_dim={self.gather_dim}, bias={self.bias is not None}")  # fmt: skip
+
+
+class RowParallelLinear(nn.Module):
+    """Row-parallel linear with a sharded output: ``y = reduce_scatter(x @ W_r^T, scatter_dim)``.
+
+    Each rank holds ``in_features / W`` columns of the weight; the input is sharded
+    on its last dim (a ColumnParallelLinear's output); the output is this rank's
+    shard along ``scatter_dim`` (e.g. the sequence). Forward and backward run the
+    fused ops (see FusedRowwiseParallel).
+
+    A replicated bias is not offered: its gradient would need an all-reduce over
+    the group (use FusedRowwiseParallel, where DTensor does it, or add the bias
+    yourself and all-reduce its gradient).
+
+    Args:
+        in_features, out_features: the full layer's sizes; in_features % W == 0.
+        group: process group, its name, or None for the world.
+        scatter_dim: the output dim to shard (default 0); its size must divide by W.
+
+    Shapes:
+        x: [*S, in_features / W] -> [*S with S[scatter_dim] / W, out_features].
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, scatter_dim: int = 0,
+                 bias: bool = False, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        if bias:
+            raise ValueError(
+                "RowParallelLinear: bias=True is not supported (a replicated bias needs its "
+                "gradient all-reduced); use FusedRowwiseParallel with DTensor"
+            )
+        self.group_name, self.world_size, self.rank = _group(group)
+        _check_divisible(type(self).__name__, "in_features", in_features, self.world_size)
+        self.in_features, self.out_features, self.scatter_dim = in_features, out_features, scatter_dim
+        k = in_features // self.world_size
+        self.weight = nn.Parameter(torch.empty(out_features, k, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's bound for the full layer (fan_in = in_features), on this shard.
+        bound = self.in_features**-0.5
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, scatter_dim: int = 0) -> "RowParallelLinear":
+        """This rank's shard of a full, bias-free nn.Linear (identical on every rank)."""
+        m = cls(linear.in_features, linear.out_features, group=group, scatter_dim=scatter_dim,
+                bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip
+        k, r = m.weight.shape[1], m.rank
+        m.weight = nn.Parameter(linear.weight.detach()[:, r * k : (r + 1) * k].clone())
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mptp.fused_matmul_reduce_scatter(
+            x, self.weight.t(), "sum", self.scatter_dim, self.group_name
+        )
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, scatter_dim={self.scatter_dim}")  # fmt: skip

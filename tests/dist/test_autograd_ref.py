@@ -1,0 +1,331 @@
+"""Gradients of the ops and of the TP layers, gloo on CPU (the reference path), 2 and 3 processes.
+
+Op gradients are checked in float64 against a single-process float64 autograd
+computation of the same math (every rank regenerates every rank's inputs from
+seeds), so the tolerance is float64 round-off. The TP layers (fused styles and
+plain modules) are checked against DTensor's own ColwiseParallel / RowwiseParallel
+on the same float64 weights, and a few SGD steps must give the same losses.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from utils import randn
+
+SEED = random.randrange(1 << 30)
+TOL = dict(rtol=1e-9, atol=1e-10)  # float64 throughout: only summation order differs
+F64 = torch.float64
+
+
+def _close(got, ref, what):
+    assert got is not None, f"{what}: no gradient"
+    torch.testing.assert_close(got, ref, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+# -- the ops --------------------------------------------------------------------------------------
+
+
+def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, grad_Bs):
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    last = gather_dim % len(shard_shape) == len(shard_shape) - 1
+    K = shard_shape[-1] * (W if last else 1)
+    shards = [randn(shard_shape, seed + i, dtype=F64) for i in range(W)]
+    Bs = [[randn((K, n), seed + 100 * (q + 1) + j, dtype=F64, scale=K**-0.5) for j, n in enumerate(ns)]
+          for q in range(W)]  # fmt: skip
+    A_full_shape = list(torch.cat(shards, dim=gather_dim).shape)
+    G = [[randn(A_full_shape[:-1] + [n], seed + 7000 + 100 * q + j, dtype=F64) for j, n in enumerate(ns)]
+         for q in range(W)]  # fmt: skip
+    GA = [randn(A_full_shape, seed + 9000 + q, dtype=F64) for q in range(W)]
+
+    # single-process float64 oracle: L = sum_q (sum_j <A_full @ B_qj, G_qj> + <A_full, GA_q>)
+    ref_shards = [s.clone().requires_grad_(grad_A) for s in shards]
+    ref_Bs = [[b.clone().requires_grad_(grad_Bs) for b in bq] for bq in Bs]
+    A_full = torch.cat(ref_shards, dim=gather_dim)
+    loss = sum((A_full @ b * gq).sum() for q in range(W) for b, gq in zip(ref_Bs[q], G[q]))
+    if return_A and use_A_full:
+        loss = loss + sum((A_full * GA[q]).sum() for q in range(W))
+    loss.backward()
+
+    A = shards[r].clone().requires_grad_(grad_A)
+    my_Bs = [b.clone().requires_grad_(grad_Bs) for b in Bs[r]]
+    A_out, outs = torch.ops.mptp.fused_all_gather_matmul(A, my_Bs, gather_dim, g, return_A=return_A)
+    assert (A_out is None) == (not return_A)
+    local = sum((o * gq).sum() for o, gq in zip(outs, G[r]))
+    if return_A and use_A_full:
+        local = local + (A_out * GA[r]).sum()
+    local.backward()
+    if grad_A:
+        _close(A.grad, ref_shards[r].grad, "dA")
+    for j, b in enumerate(my_Bs):
+        if grad_Bs:
+            _close(b.grad, ref_Bs[r][j].grad, f"dBs[{j}]")
+        else:
+            assert b.grad is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "shard_shape,gather_dim",
+    [((5, 16), 0), ((4, 6), 1), ((3, 5, 16), 0), ((2, 3, 16), 1), ((2, 3, 8), 2), ((2, 3, 8), -1)],
+)
+@pytest.mark.parametrize("ns,return_A", [((24,), True), ((8, 40, 3), False), ((7, 9), True)])
+def test_all_gather_matmul_grads(request, world, shard_shape, gather_dim, ns, return_A):
+    w = request.getfixturevalue(f"workers{world}")
+    w.run(_ag_grads, SEED, shard_shape, gather_dim, ns, return_A, True, True, True)
+
+
+@pytest.mark.parametrize("grad_A,grad_Bs,use_A_full", [(True, False, False), (False, True, False),
+                                                       (False, True, True), (True, True, False)])  # fmt: skip
+def test_all_gather_matmul_grads_partial(workers2, grad_A, grad_Bs, use_A_full):
+    workers2.run(_ag_grads, SEED, (3, 4, 8), 1, (6, 10), True, use_A_full, grad_A, grad_Bs)
+
+
+def test_all_gather_matmul_unused_output(workers2):
+    """Only some outputs reach the loss: their Bs get no gradient, the rest exact ones."""
+    workers2.run(_ag_unused_output, SEED)
+
+
+def _ag_unused_output(seed):
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    shards = [randn((4, 8), seed + i, dtype=F64) for i in range(W)]
+    Bs = [[randn((8, n), seed + 10 * q + n, dtype=F64) for n in (3, 5)] for q in range(W)]
+    ref = [s.clone().requires_grad_() for s in shards]
+    ref_B = [[b.clone().requires_grad_() for b in bq] for bq in Bs]
+    sum((torch.cat(ref) @ ref_B[q][1]).square().sum() for q in range(W)).backward()
+    A = shards[r].clone().requires_grad_()
+    my = [b.clone().requires_grad_() for b in Bs[r]]
+    _, (c0, c1) = torch.ops.mptp.fused_all_gather_matmul(A, my, 0, g, return_A=False)
+    c1.square().sum().backward()
+    _close(A.grad, ref[r].grad, "dA")
+    _close(my[1].grad, ref_B[r][1].grad, "dBs[1]")
+    assert my[0].grad is None
+
+
+def _rs_grads(seed, shape, scatter_dim, N, reduce_op, grad_A, grad_B):
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    K = shape[-1]
+    As = [randn(shape, seed + q, dtype=F64) for q in range(W)]
+    Bs = [randn((K, N), seed + 100 + q, dtype=F64, scale=K**-0.5) for q in range(W)]
+    out_shape = list(shape[:-1]) + [N]
+    out_shape[scatter_dim] //= W
+    G = [randn(out_shape, seed + 500 + q, dtype=F64) for q in range(W)]
+
+    ref_A = [a.clone().requires_grad_(grad_A) for a in As]
+    ref_B = [b.clone().requires_grad_(grad_B) for b in Bs]
+    P = sum(a @ b for a, b in zip(ref_A, ref_B))
+    if reduce_op == "avg":
+        P = P / W
+    sum((c * gq).sum() for c, gq in zip(P.chunk(W, dim=scatter_dim), G)).backward()
+
+    A = As[r].clone().requires_grad_(grad_A)
+    B = Bs[r].clone().requires_grad_(grad_B)
+    out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, g)
+    (out * G[r]).sum().backward()
+    if grad_A:
+        _close(A.grad, ref_A[r].grad, "dA")
+    if grad_B:
+        _close(B.grad, ref_B[r].grad, "dB")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "shape,scatter_dim,N",
+    [((6, 16), 0, 8), ((4, 16), 1, 12), ((6, 5, 16), 0, 8), ((2, 6, 16), 1, 8), ((2, 3, 8), 2, 12), ((2, 3, 8), -1, 6)],
+)
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter_grads(request, world, shape, scatter_dim, N, reduce_op):
+    w = request.getfixturevalue(f"workers{world}")
+    w.run(_rs_grads, SEED, shape, scatter_dim, N, reduce_op, True, True)
+
+
+@pytest.mark.parametrize("grad_A,grad_B", [(True, False), (False, True)])
+def test_matmul_reduce_scatter_grads_partial(workers2, grad_A, grad_B):
+    workers2.run(_rs_grads, SEED, (2, 6, 16), 1, 8, "avg", grad_A, grad_B)
+
+
+def _regather(seed, gather_dim):
+    """The backward of the plain register_autograd fallback: A_full is gathered again."""
+    from mptp_kernels.ops import autograd as ag
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    shards = [randn((2, 4, 6), seed + q, dtype=F64) for q in range(W)]
+    K = 6 * (W if gather_dim == 2 else 1)
+    Bs = [randn((K, 5), seed + 50 + q, dtype=F64) for q in range(W)]
+    ref = [s.clone().requires_grad_() for s in shards]
+    ref_B = [b.clone().requires_grad_() for b in Bs]
+    sum((torch.cat(ref, dim=gather_dim) @ b).square().sum() for b in ref_B).backward()
+
+    class Fallback(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, A, B):
+            out = torch.ops.mptp.fused_all_gather_matmul(A, [B], gather_dim, g, return_A=False)
+            ag._ag_setup_context(ctx, (A, [B], gather_dim, g), {"return_A": False}, out)
+            return out[1][0]
+
+        @staticmethod
+        def backward(ctx, dC):
+            need = ctx.needs_input_grad
+            ctx.needs_input_grad = (need[0], [need[1]], False, False)
+            dA, (dB,), _, _ = ag._ag_backward(ctx, None, [dC])
+            return dA, dB
+
+    A = shards[r].clone().requires_grad_()
+    B = Bs[r].clone().requires_grad_()
+    Fallback.apply(A, B).square().sum().backward()
+    _close(A.grad, ref[r].grad, "dA")
+    _close(B.grad, ref_B[r].grad, "dB")
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1, 2])
+def test_regather_fallback(workers2, gather_dim):
+    workers2.run(_regather, SEED, gather_dim)
+
+
+# -- tensor-parallel layers -----------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Llama's feed-forward block: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim, hidden, bias=False):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=bias, dtype=F64)
+        self.up = nn.Linear(dim, hidden, bias=bias, dtype=F64)
+        self.down = nn.Linear(hidden, dim, bias=bias, dtype=F64)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _plan(kind, seq_dim):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from mptp_kernels.tp import FusedColwiseParallel, FusedRowwiseParallel
+
+    col, row = (ColwiseParallel, RowwiseParallel) if kind == "dtensor" else (FusedColwiseParallel, FusedRowwiseParallel)
+    return {
+        "gate": col(input_layouts=Shard(seq_dim)),
+        "up": col(input_layouts=Shard(seq_dim)),
+        "down": row(output_layouts=Shard(seq_dim)),
+    }
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, full: MLP, seq_dim):
+        from mptp_kernels.tp import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.gate = ColumnParallelLinear.from_linear(full.gate, gather_dim=seq_dim)
+        self.up = ColumnParallelLinear.from_linear(full.up, gather_dim=seq_dim)
+        self.down = RowParallelLinear.from_linear(full.down, scatter_dim=seq_dim)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _model(kind, seed, dim, hidden, seq_dim, bias):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(seed)  # the same full weights on every rank
+    full = MLP(dim, hidden, bias)
+    if kind == "plain":
+        return PlainMLP(full, seq_dim)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(full, mesh, _plan(kind, seq_dim), src_data_rank=None)
+
+
+def _grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        gr = p.grad
+        if gr is None:
+            out[name] = None
+            continue
+        out[name] = gr.full_tensor() if hasattr(gr, "full_tensor") else gr
+    return out
+
+
+def _shard(x, seq_dim):
+    W, r = dist.get_world_size(), dist.get_rank()
+    return x.chunk(W, dim=seq_dim)[r].clone()
+
+
+def _layers_vs_dtensor(seed, kind, x_shape, seq_dim, bias, compiled):
+    dim, hidden = x_shape[-1], 3 * x_shape[-1]  # divisible by 2 and 3
+    ref = _model("dtensor", seed, dim, hidden, seq_dim, bias)
+    model = _model(kind, seed, dim, hidden, seq_dim, bias)
+    if compiled:
+        model = torch.compile(model, backend="aot_eager", fullgraph=False)
+    x = randn(x_shape, seed + 1, dtype=F64)
+    gy = randn(x_shape, seed + 2, dtype=F64)
+    outs, xgrads = [], []
+    for m in (ref, model):
+        xs = _shard(x, seq_dim).requires_grad_()
+        y = m(xs)
+        (y * _shard(gy, seq_dim)).sum().backward()
+        outs.append(y)
+        xgrads.append(xs.grad)
+    _close(outs[1], outs[0], "output")
+    _close(xgrads[1], xgrads[0], "d input")
+    g_ref, g = _grads(ref), _grads(model)
+    for name, gr in g_ref.items():
+        mine = g[name] if name in g else g["_orig_mod." + name]
+        if kind == "plain":  # local shards: compare with this rank's slice of DTensor's full gradient
+            W, r = dist.get_world_size(), dist.get_rank()
+            gr = gr.chunk(W, dim=1 if name.startswith("down") else 0)[r]
+        _close(mine, gr, f"grad of {name}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("x_shape,seq_dim", [((12, 16), 0), ((2, 6, 16), 1), ((6, 2, 8), 0)])
+def test_fused_styles_vs_dtensor(request, world, x_shape, seq_dim):
+    request.getfixturevalue(f"workers{world}").run(_layers_vs_dtensor, SEED, "fused", x_shape, seq_dim, False, False)
+
+
+def test_fused_styles_bias(workers2):
+    workers2.run(_layers_vs_dtensor, SEED, "fused", (2, 6, 16), 1, True, False)
+
+
+def test_plain_modules_vs_dtensor(workers2):
+    workers2.run(_layers_vs_dtensor, SEED, "plain", (2, 6, 16), 1, False, False)
+
+
+def test_fused_styles_compiled(workers2):
+    """torch.compile (aot_eager: dynamo + AOTAutograd, no codegen) traces the fused styles' forward and backward."""
+    workers2.run(_layers_vs_dtensor, SEED, "fused", (2, 8, 16), 1, False, True, timeout_s=600)
+
+
+def _train(seed, kind, steps):
+    model = _model(kind, seed, 16, 64, 1, False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        x = randn((2, 8, 16), seed + 10 + step % 2, dtype=F64)  # two batches, alternating
+        target = torch.tanh(x.flip(-1))
+        y = model(_shard(x, 1))
+        loss = (y - _shard(target, 1)).square().sum() / target.numel()  # this rank's part of the mean
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return losses
+
+
+def test_training_tracks_dtensor(workers2):
+    ref = workers2.run(_train, SEED, "dtensor", 6)[0]
+    for kind in ("fused", "plain"):
+        got = workers2.run(_train, SEED, kind, 6)[0]
+        torch.testing.assert_close(got, ref, **TOL)
+    assert ref[-2] < ref[0] and ref[-1] < ref[1]
