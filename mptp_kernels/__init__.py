@@ -26,6 +26,18 @@ def path_counts() -> dict:
     return dict(PATH_COUNTS)
 
 
+_TP = ("ColumnParallelLinear", "FusedColwiseParallel", "FusedRowwiseParallel", "RowParallelLinear")
+
+
+def __getattr__(name):
+    # The tensor-parallel layers (mptp_kernels.tp) load DTensor: imported on first use.
+    if name in _TP:
+        from . import tp
+
+        return getattr(tp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 try:
     from . import _build_info as build_info
 except ImportError:  # running from a source tree that was never installed
@@ -34,6 +46,10 @@ except ImportError:  # running from a source tree that was never installed
 __version__ = "0.1.0"
 
 __all__ = [
+    "ColumnParallelLinear",
+    "FusedColwiseParallel",
+    "FusedRowwiseParallel",
+    "RowParallelLinear",
     "build_info",
     "disable_micro_pipeline_tp",
     "enable_micro_pipeline_tp",
