@@ -31,6 +31,7 @@ import torch
 
 from .. import env
 from ..kernels import persistent_matmul as pm
+from ..kernels.poison import poison_if_error
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
@@ -164,6 +165,8 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
     st.flags.zero_()
     main.wait_stream(st.side)
+    if return_A:  # NOTE: a gathered A whose READY wait timed out holds stale bytes: poison it
+        poison_if_error(A_full, ws.err)
     A_full.record_stream(st.side)
     if scale_full is not None:
         scale_full.record_stream(st.side)
