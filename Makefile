@@ -1,12 +1,19 @@
 # make demo | make test | make bench | make format
-# Both demo and test create .venv if needed and install the package into it.
+# Both demo and test create .venv if needed and install the package into it
+# (editable). MPTP_SKIP_CUDA_BUILD=1 installs without the CUDA extension, as
+# does a machine without nvcc, cmake or a CUDA build of torch; both commands
+# then run the reference path and say so once.
 PYTHON ?= python3
 VENV ?= .venv
-VPY := $(VENV)/bin/python
+VPY := $(abspath $(VENV))/bin/python
 # The torch of record on the CPU machines; override e.g. TORCH_SPEC="torch>=2.11".
 TORCH_SPEC ?= torch==2.14.1
-STAMP := $(VENV)/.mptp-installed
+PYTEST_ARGS ?=
+# NOTE: the stamp names the build mode, so switching MPTP_SKIP_CUDA_BUILD reinstalls.
+BUILD_MODE := $(if $(filter 1 true yes on,$(MPTP_SKIP_CUDA_BUILD)),python-only,auto)
+STAMP := $(abspath $(VENV))/.mptp-installed-$(BUILD_MODE)
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+STATUS := $(VPY) scripts/build_status.py
 
 .PHONY: install demo test test-gpu bench format clean
 
@@ -16,23 +23,25 @@ $(VPY):
 $(STAMP): $(VPY) $(SOURCES)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q "$(TORCH_SPEC)" numpy pytest
+	rm -f $(abspath $(VENV))/.mptp-installed-*
 	$(VPY) -m pip install -q --no-build-isolation -e .
-	$(VPY) -c "import mptp_kernels as m; print('mptp_kernels installed; CUDA extension built:', m.build_info.CUDA_EXTENSION_BUILT)"
 	touch $(STAMP)
 
 install: $(STAMP)
+	@$(STATUS)
 
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
 test: $(STAMP)
-	cd tests && ../$(VPY) -m pytest -q
+	@$(STATUS)
+	cd tests && $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) bench/bench_persistent_matmul.py
 
 format:
-	$(VPY) -m ruff format mptp_kernels tests bench examples && $(VPY) -m ruff check --fix mptp_kernels tests bench examples
+	$(VPY) -m ruff format mptp_kernels tests bench examples scripts setup.py && $(VPY) -m ruff check --fix mptp_kernels tests bench examples scripts setup.py
 	clang-format -i $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h')
 
 clean:

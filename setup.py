@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -84,6 +85,8 @@ def _remove_stale_libraries():
 
 
 REASON = _cuda_build_reason()
+# setuptools' generic caution about flat layouts; it drowns the one line that matters here.
+warnings.filterwarnings("ignore", message="Editable installation")
 
 
 class BuildPy(build_py):

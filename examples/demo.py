@@ -1,13 +1,16 @@
 """Runs each torch.ops.mptp op on W processes and prints a table.
 
 CPU: W gloo processes (default 2). GPUs: one NCCL process per GPU.
-Each op is compared with a float64 computation of the same math.
+Each op is compared with a float64 computation of the same math, and the
+table says which path each call took (fused, or the reference path, which is
+all there is on CPU or where the CUDA extension was not built).
 
     python examples/demo.py [--world-size W]
 """
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -21,6 +24,10 @@ def _rel(x, ref):
 
 
 def _timed(fn, device):
+    """(output, ms of the second call, path the calls took)."""
+    import mptp_kernels
+
+    before = mptp_kernels.path_counts()
     fn()  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -28,7 +35,10 @@ def _timed(fn, device):
     out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return out, (time.perf_counter() - t0) * 1e3
+    ms = (time.perf_counter() - t0) * 1e3
+    # path_counts() counts CUDA calls only: CPU calls always run the reference path.
+    took = {p for (o, p), n in mptp_kernels.path_counts().items() if n > before.get((o, p), 0)}
+    return out, ms, "+".join(sorted(took)) if device.type == "cuda" else "reference"
 
 
 def _worker(rank, W, store_path, results):
@@ -53,16 +63,16 @@ def _worker(rank, W, store_path, results):
     # all-gather-matmul
     A_full64 = torch.cat(shards).double()
     fn = lambda: mptp_kernels.fused_all_gather_matmul(shards[rank].to(device, dtype), [B.to(device, dtype)], 0, group)  # noqa: E731
-    (A_out, (C,)), ms = _timed(fn, device)
-    rows.append(("fused_all_gather_matmul", f"[{M // W},{K}]x[{K},{N}]", dtype, _rel(C, A_full64 @ B.double()), ms))
+    (A_out, (C,)), ms, path = _timed(fn, device)
+    rows.append(("fused_all_gather_matmul", f"[{M // W},{K}]x[{K},{N}]", dtype, _rel(C, A_full64 @ B.double()), ms, path))
 
     # matmul-reduce-scatter
     # Rank r holds a full-size A (its partial sum's input): the shards rotated by r.
     As = [torch.cat([shards[(r + i) % W] for i in range(W)]) for r in range(W)]
     ref = sum(a.double() @ B.double() for a in As).chunk(W)[rank]
     fn = lambda: mptp_kernels.fused_matmul_reduce_scatter(As[rank].to(device, dtype), B.to(device, dtype), "sum", 0, group)  # noqa: E731
-    out, ms = _timed(fn, device)
-    rows.append(("fused_matmul_reduce_scatter", f"[{M},{K}]x[{K},{N}]", dtype, _rel(out, ref), ms))
+    out, ms, path = _timed(fn, device)
+    rows.append(("fused_matmul_reduce_scatter", f"[{M},{K}]x[{K},{N}]", dtype, _rel(out, ref), ms, path))
 
     # FP8 variants (tensor-wise scales)
     f8 = torch.float8_e4m3fn
@@ -71,16 +81,16 @@ def _worker(rank, W, store_path, results):
     one = torch.ones((), device=device)
     fn = lambda: mptp_kernels.fused_all_gather_scaled_matmul(  # noqa: E731
         A8[rank].to(device), [B8.to(device)], one, [one], 0, group, out_dtypes=[torch.bfloat16])
-    (_, (C8,)), ms = _timed(fn, device)
+    (_, (C8,)), ms, path = _timed(fn, device)
     ref8 = torch.cat(A8).double() @ B8.double()
-    rows.append(("fused_all_gather_scaled_matmul", f"[{M // W},{K}]x[{K},{N}]", "fp8e4m3", _rel(C8, ref8), ms))
+    rows.append(("fused_all_gather_scaled_matmul", f"[{M // W},{K}]x[{K},{N}]", "fp8e4m3", _rel(C8, ref8), ms, path))
 
     A8rs = [(a * 0.5).to(f8) for a in As]
     fn = lambda: mptp_kernels.fused_scaled_matmul_reduce_scatter(  # noqa: E731
         A8rs[rank].to(device), B8.to(device), one, one, "sum", 0, group, out_dtype=torch.bfloat16)
-    out8, ms = _timed(fn, device)
+    out8, ms, path = _timed(fn, device)
     ref8 = sum(a.double() @ B8.double() for a in A8rs).chunk(W)[rank]
-    rows.append(("fused_scaled_matmul_reduce_scatter", f"[{M},{K}]x[{K},{N}]", "fp8e4m3", _rel(out8, ref8), ms))
+    rows.append(("fused_scaled_matmul_reduce_scatter", f"[{M},{K}]x[{K},{N}]", "fp8e4m3", _rel(out8, ref8), ms, path))
 
     if rank == 0:
         results.put((device.type, W, rows))
@@ -89,6 +99,11 @@ def _worker(rank, W, store_path, results):
 
 
 def main():
+    # One line up front: is the fused path built, and if not why (the repo's scripts/build_status.py).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    from build_status import status
+
+    print(status())
     p = argparse.ArgumentParser()
     p.add_argument("--world-size", type=int, default=None)
     a = p.parse_args()
@@ -101,9 +116,9 @@ def main():
     mp.start_processes(_worker, args=(W, store, q), nprocs=W, start_method="spawn")
     device, W, rows = q.get(timeout=600)
     print(f"\nmptp_kernels demo: {W} ranks on {device}\n")
-    print(f"{'op':36s} {'shapes (per rank)':24s} {'dtype':16s} {'rel err vs fp64':>16s} {'time ms':>9s}")
-    for op, shapes, dtype, err, ms in rows:
-        print(f"{op:36s} {shapes:24s} {str(dtype):16s} {err:16.2e} {ms:9.2f}")
+    print(f"{'op':36s} {'shapes (per rank)':24s} {'dtype':16s} {'rel err vs fp64':>16s} {'time ms':>9s}  path")
+    for op, shapes, dtype, err, ms, path in rows:
+        print(f"{op:36s} {shapes:24s} {str(dtype):16s} {err:16.2e} {ms:9.2f}  {path}")
 
 
 if __name__ == "__main__":
