@@ -76,3 +76,63 @@ def test_scalar_type_ints_are_accepted(pg1):
     assert to_dtype(torch.float16) is torch.float16 and to_dtype(None) is None
     with pytest.raises(ValueError, match="out_dtypes"):
         to_dtype(99)
+
+
+# -- issue 12 item 8: small defects ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8_out", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_out_dtypes_travel_through_the_dispatcher(pg1, fp8_out):
+    """ScalarType arguments arrive as c10 integers (23 e5m2, 24 e4m3fn): both are accepted."""
+    A = (torch.randn(16, 32) / 4).to(FP8)
+    B = (torch.randn(32, 32) / 4).to(FP8).t()
+    one = torch.tensor(1.0)
+    A_out, (out,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
+        A, [B], one, [one], 0, pg1, [None], [torch.tensor(2.0)], [fp8_out], [False])
+    assert out.dtype == fp8_out
+    want = torch._scaled_mm(A, B, one, one, scale_result=torch.tensor(2.0), out_dtype=fp8_out)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_every_scalar_type_code_maps_to_its_dtype():
+    from mptp_kernels.ops import validate
+
+    lib = torch.library.Library("mptp_test_scalar", "DEF")
+    lib.define("echo(ScalarType?[] d) -> int[]")
+    lib.impl("echo", lambda d: [int(x) if isinstance(x, int) else -1 for x in d], "CompositeExplicitAutograd")
+    dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+              torch.float64, torch.bool, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn,
+              torch.float8_e5m2fnuz, torch.float8_e4m3fnuz]  # fmt: skip
+    codes = torch.ops.mptp_test_scalar.echo(dtypes)
+    for code, dt in zip(codes, dtypes):
+        assert validate.to_dtype(code if code >= 0 else dt) == dt, (code, dt)
+
+
+def test_a_single_tensor_as_Bs_is_rejected(pg1):
+    import mptp_kernels
+
+    A, B = torch.randn(4, 8), torch.randn(8, 8)
+    with pytest.raises(ValueError, match="Bs: expected a list"):
+        mptp_kernels.fused_all_gather_matmul(A, B, 0, pg1)
+
+
+def test_wrapper_before_init_process_group_says_so():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mptp_kernels\n"
+        "try:\n"
+        "    mptp_kernels.fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 8)], 0)\n"
+        "except RuntimeError as e:\n"
+        "    print('OK', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "OK" in out.stdout and "init_process_group" in out.stdout, out.stdout + out.stderr
+
+
+def test_integer_avg_reduce_scatter_keeps_the_dtype(pg1):
+    A = torch.randint(-5, 5, (4, 8), dtype=torch.int64)
+    B = torch.randint(-5, 5, (8, 6), dtype=torch.int64)
+    out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "avg", 0, pg1)
+    assert out.dtype == torch.int64 and torch.equal(out, A @ B)
