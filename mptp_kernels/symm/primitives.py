@@ -500,7 +500,10 @@ def get_workspace(group_name: str, nbytes: int, device: torch.device) -> Symmetr
             _RETIRED.append(ws)
         else:
             ws.free()
-    ws = SymmetricMemory(pg, nbytes, device)
+    from .loopback import LoopbackSymmetricMemory, is_loopback
+
+    cls = LoopbackSymmetricMemory if is_loopback(pg) else SymmetricMemory
+    ws = cls(pg, nbytes, device)
     _WORKSPACES[(id(pg), str(device))] = ws
     return ws
 
