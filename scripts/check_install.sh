@@ -47,6 +47,7 @@ check() {
     exit 1
   fi
   (cd "$tmp" && "$PY" - "$label" "$built" "$reason") <<'EOF'
+import os
 import sys
 
 import mptp_kernels
@@ -54,15 +55,15 @@ from mptp_kernels.symm import _C
 
 label, built, reason = sys.argv[1], sys.argv[2] == "True", sys.argv[3]
 info = mptp_kernels.build_info
-where = mptp_kernels.__file__.rsplit("/", 2)[-3]
+where = os.path.dirname(os.path.dirname(mptp_kernels.__file__))
 ok = (
     info is not None
     and info.CUDA_EXTENSION_BUILT == built
     and (_C.lib() is not None) == built
     and (built or reason in info.SKIP_REASON)
 )
-print(f"{'ok   ' if ok else 'FAIL '} {label:34s} built={info and info.CUDA_EXTENSION_BUILT} "
-      f"reason={info and info.SKIP_REASON!r} imported from .../{where}")
+print(f"{'ok   ' if ok else 'FAIL '} {label:38s} built={info and info.CUDA_EXTENSION_BUILT} "
+      f"reason={info and info.SKIP_REASON!r} from {where}")
 sys.exit(0 if ok else 1)
 EOF
 }
