@@ -210,6 +210,8 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
                                           biases=[bias] if bias is not None else None,
                                           out_dtype=out_dtype, fast_accum=fast)  # fmt: skip
         return out.view(*out_shape)
+    if scatter_dim == len(out_shape) - 1:
+        return _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled)
     rank = ws.rank
     K, N = A.shape[-1], B.shape[1]
     lead = list(out_shape[:-1])
@@ -244,6 +246,38 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
     return out.contiguous() if scatter_dim else out
 
 
+def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
+    """Scatter of the last (N) dim: rank c owns columns c * N / W ...; one matmul per owner,
+    each storing straight into slot r of the owner's buffer, in the order r + 1, r + 2, ..."""
+    rank, K, N = ws.rank, A.shape[-1], B.shape[1]
+    A2 = A.reshape(-1, K)
+    M, Nc = A2.shape[0], N // W
+    out_dtype = A.dtype if scaled is None else scaled[3]
+    elem = torch.empty((), dtype=out_dtype).element_size()
+    assert W * M * Nc * elem <= ws.nbytes, (W * M * Nc * elem, ws.nbytes)
+    _begin(ws, _TAG_RS)
+    for i in range(W):
+        c = (rank + 1 + i) % W
+        cols = slice(c * Nc, (c + 1) * Nc)
+        dest = ws.buffers[c][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)[rank]
+        if scaled is None:
+            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest])
+        else:
+            A_scale, B_scale, bias, _, fast = scaled
+            a_s = A_scale.float() if A_scale.numel() == 1 else A_scale.reshape(-1).float()
+            b_s = B_scale.float() if B_scale.numel() == 1 else B_scale.reshape(-1)[cols].float()
+            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest], A_scale=a_s, B_scales=[b_s],
+                                 biases=[bias[cols]] if bias is not None else None, out_dtype=out_dtype,
+                                 fast_accum=fast)  # fmt: skip
+    ws.put_signal(CH_READY)
+    ws.wait_signal(CH_READY, tag=_TAG_RS)
+    mine = ws.buffers[rank][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)
+    out = torch.empty(M, Nc, device=A.device, dtype=out_dtype)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
+    ws.put_signal(CH_DONE)
+    return out.view(*out_shape[:-1], Nc)
+
+
 def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_shape=None):
     why = _common_reason(A)
     if why:
@@ -251,9 +285,7 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
     W, sd = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, scaled_args is not None)
     if out_shape is None:
         out_shape = [*A.shape[:-1], B.shape[1]]
-    if sd == len(out_shape) - 1:
-        return None, "scattering the last (N) dim is not fused"
-    if W > MAX_SCATTER_W:
+    if W > MAX_SCATTER_W and sd != len(out_shape) - 1:
         return None, f"world size {W} > {MAX_SCATTER_W}"
     if B.dtype != A.dtype:
         return None, "B's dtype differs from A's"
