@@ -45,6 +45,8 @@ _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # it buys; MPTP_FORCE_FUSED=1 overrides (CUDA graphs remove that cost).
 _MIN_FLOPS = 300e9
 MAX_SCATTER_W = 8
+# Output dtypes the fused epilogue writes (FP8 outputs with result_scale, as _scaled_mm).
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 _TAG_AG = P.register_tag("fused_all_gather_matmul")
 _TAG_RS = P.register_tag("fused_matmul_reduce_scatter")
@@ -79,13 +81,14 @@ def _begin(ws: P.SymmetricMemory, tag: int) -> None:
 
 def _scaled_launches(A_full, Bs, a_s, scaled, **kw):
     """One launch per B for the scaled op (each B may differ in bias / dtype / accumulation)."""
-    _, _, B_scales, biases, out_dtypes, fast = scaled
+    _, _, B_scales, biases, out_dtypes, fast, result_scales = scaled
     outs = []
     for i, B in enumerate(Bs):
+        rs = result_scales[i].float() if result_scales[i] is not None else None
         outs += pm.persistent_matmul(
             A_full, [B], A_scale=a_s, B_scales=[B_scales[i].float()],
             biases=[biases[i]] if biases[i] is not None else None,
-            out_dtype=out_dtypes[i], fast_accum=fast[i], **kw,
+            out_dtype=out_dtypes[i], fast_accum=fast[i], result_scale=rs, **kw,
         )  # fmt: skip
     return outs
 
@@ -361,11 +364,14 @@ def plan(name, W, *args, **kwargs):
         W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=True)
         mode = validate.all_gather_scaled_lists(A, Bs, A_scale, B_scales, biases, result_scales,
                                                 out_dtypes, fast, gd, W)  # fmt: skip
-        if any(rs is not None for rs in result_scales):
-            return None, "result_scales are not fused"
-        dts = [validate.to_dtype(d) for d in out_dtypes]
-        if any(d not in (torch.bfloat16, torch.float16, torch.float32) for d in dts):
-            return None, "out dtype not in bf16/fp16/fp32 (None means fp8 output, not fused)"
+        # None: _scaled_mm's default, A's dtype (an FP8 output).
+        dts = [validate.to_dtype(d) or A.dtype for d in out_dtypes]
+        if any(d not in _OUT_DTYPES for d in dts):
+            return None, f"out dtypes {dts} not all in {_OUT_DTYPES}"
+        if any(rs is not None and rs.numel() != 1 for rs in result_scales):
+            return None, "result_scales must have one element each"
+        if any(b is not None and d.itemsize == 1 for b, d in zip(biases, dts)):
+            return None, "a bias with an FP8 output (the reference raises as _scaled_mm does)"
         if any(bs.numel() != 1 and tuple(bs.shape) != (1, B.shape[1]) for bs, B in zip(B_scales, Bs)):
             return None, "B_scales must be one element or [1, N]"
         if mode == validate.ScaleMode.TENSOR_WISE and any(bs.numel() != 1 for bs in B_scales):
@@ -373,7 +379,7 @@ def plan(name, W, *args, **kwargs):
         # Layouts do not depend on dtypes or scales: take them from the unscaled
         # reference (the meta _scaled_mm would reject N not divisible by 16).
         ref = (_scaled_layout_proxy, (A, list(Bs), gd, group_name))
-        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast)), ref)
+        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast), list(result_scales)), ref)
         return fn, why
     if name == "fused_matmul_reduce_scatter":
         A, B, reduce_op, scatter_dim, group_name = args
