@@ -1,34 +1,49 @@
 """Post-grad FX pass: all-gather -> matmul and matmul -> reduce-scatter become torch.ops.mptp.*.
 
-Patterns (each collective is matched once, starting from the collective, so a
-longer pattern always wins over its suffix):
+Rewrites (pattern -> replacement; R* is a chain of logical reshapes: reshape,
+view, _unsafe_view, flatten, unflatten, squeeze, unsqueeze, alias, clone):
 
-  all-gather, gather_dim 0:
-      wait_tensor(all_gather_into_tensor(shard)) [-> view.dtype]          -> A
-  all-gather, gather_dim d > 0:
-      cat([getitem(split(wait_tensor(all_gather(shard)), dim=0), i) [-> view.dtype] ...], d)
-      [-> view.dtype]                                                     -> A
-  consumers of A: mm(A, B) | _scaled_mm(A, B, ...) | reshape(A) -> mm -> reshape
-      => fused_all_gather_matmul(shard, [B...], d, group) (or the scaled op)
-  reduce-scatter, scatter_dim 0:
-      wait_tensor(reduce_scatter_tensor(C))                               -> out
-  reduce-scatter, scatter_dim d > 0:
-      wait_tensor(reduce_scatter_tensor(cat(getitem(split(C, dim=d)), 0)))   -> out
-  producer of C: mm(A, B) | _scaled_mm(A, B, ...) | reshape(A) -> mm -> reshape
-      => fused_matmul_reduce_scatter(A, B, op, d, group) (or the scaled op)
+  all-gather on dim d (any dim, the last one included):
+      A = wait(all_gather(shard)) [-> split dim 0 / slices -> cat(d)] [-> view.dtype]
+      C_i = mm(R*(A), B_i) | bmm(R*(A), expand(B_i)) | _scaled_mm(R*(A), B_i, ...)
+   -> A', [O_i] = fused_all_gather_matmul(shard, [B_i], d)  (or the scaled op)
+      C_i := reshape(O_i, C_i.shape); A := A' where A has other users
+  reduce-scatter on dim d (any dim, the last one included):
+      C = R*(mm(X, B) | bmm(X, expand(B)) | _scaled_mm(X, B, ...))
+      out = wait(reduce_scatter(C [-> split / slices along d -> cat(0)]))
+   -> out := fused_matmul_reduce_scatter(reshape(X, [*C.shape[:-1], K]), B, op, d)
+      (the scaled op takes X as it is, with output_shape = C.shape)
   torch.ops.symm_mem.fused_* (what PyTorch's own pass emits) => torch.ops.mptp.fused_*
 
-Not fused (logged with the reason under MPTP_LOG=1): mixed matmul kinds on one
-all-gather; a matmul whose other arguments depend on the collective; a
-matmul result with users besides the reduce-scatter; groups not enabled for
+Why R* is safe: a chain of logical reshapes is one reshape (row-major order, whatever
+the strides), so R*(A) = A.reshape(M, K) whenever its last dim is A's last dim K, and
+then mm(R*(A), B) = (A @ B).reshape(M, N). Likewise a reduce-scatter input
+C = R*(X @ B) with last dim N is reshape(X, [*C.shape[:-1], K]) @ B.
+
+NOTE: the invariant. A node is replaced only by a value of exactly its shape and
+strides. Each rewrite builds its replacement, evaluates every new node on the
+graph's fake tensors (the ops' fake impls are their reference code), restrides with
+force_stride_order where only the strides differ, and compares with the replaced
+node's meta["val"]. Anything it cannot prove (a shape or dtype mismatch, symbolic
+shapes, a failing fake impl) erases what it built and leaves the graph untouched.
+
+Not fused (the reason is logged under MPTP_LOG=1 and returned by explain()):
+mixed matmul kinds on one all-gather; a matmul whose other arguments depend on the
+collective; a matmul result with users besides the reduce-scatter; a matmul output
+regrouped across its last dim; transposes/permutes between the collective and the
+matmul; addmm/baddbmm (bias in the GEMM); a batched bmm whose B is not one matrix
+broadcast over the batch; the scaled all-gather on the last dim (the op rejects it);
+a last-dim all-gather whose result has users besides the matmuls (it would be
+materialized, PyTorch skips it too); symbolic shapes; groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
-independent matmul already hides.
+independent matmul hides (one matmul hides one collective, as in PyTorch).
 """
 
+import contextlib
 import operator
 import warnings
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import torch
 import torch.fx as fx
@@ -38,35 +53,73 @@ from .. import env
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
-_MMS = (aten.mm.default, aten._scaled_mm.default)
+
+
+def _overloads(*names):
+    out = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        try:
+            out.append(getattr(getattr(aten, packet), overload))
+        except (AttributeError, RuntimeError):  # not in this torch version
+            pass
+    return tuple(out)
+
+
+# Ops whose output is a row-major reshape of their first argument (same values).
+_LOGICAL_RESHAPES = _overloads(
+    "reshape.default", "view.default", "_unsafe_view.default", "flatten.using_ints", "unflatten.int",
+    "squeeze.default", "squeeze.dim", "squeeze.dims", "unsqueeze.default", "alias.default", "clone.default",
+)  # fmt: skip
+_SPLITS = _overloads("split.Tensor", "split.sizes", "split_with_sizes.default")
+_MM, _BMM, _SCALED_MM = aten.mm.default, aten.bmm.default, aten._scaled_mm.default
+_MATMULS = (_MM, _BMM, _SCALED_MM)
+# What can hide a collective when reorder_for_compute_comm_overlap is on.
+_COMPUTE_INTENSIVE = _overloads("mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default")
+
+
+class _Reject(Exception):
+    """A match the pass cannot prove equivalent; the message says why."""
 
 
 def _val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
+def _tval(n) -> torch.Tensor:
+    v = _val(n)
+    if not isinstance(v, torch.Tensor):
+        raise _Reject(f"{getattr(n, 'name', n)} has no fake tensor in meta['val']")
+    return v
+
+
+def _static(v: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
 def _ancestors(nodes) -> set:
     seen, stack = set(), [n for n in nodes if isinstance(n, fx.Node)]
     while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
     return seen
 
 
-def _descendants(node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
+def _is_dense(v: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    dims = sorted((st, sz) for sz, st in zip(v.shape, v.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def _group_enabled(group_name: str) -> bool:
@@ -75,84 +128,224 @@ def _group_enabled(group_name: str) -> bool:
     if is_symm_mem_enabled_for_group(group_name):
         return True
     try:
-        from torch.distributed._symmetric_memory import (
-            is_symm_mem_enabled_for_group as torch_enabled,
-        )
+        from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group as torch_enabled
 
         return bool(torch_enabled(group_name))
     except Exception:  # noqa: BLE001
         return False
 
 
+def _check_group(group_name: str, graph_W: int) -> None:
+    """_Reject unless the group is enabled and has as many ranks as the collective in the graph."""
+    if not _group_enabled(group_name):
+        raise _Reject(f"group {group_name!r} is not enabled for symmetric memory")
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    try:
+        W = _get_group_size_by_name(group_name)
+    except Exception as e:  # noqa: BLE001
+        raise _Reject(f"group {group_name!r} cannot be resolved: {e}") from None
+    if W != graph_W:
+        raise _Reject(f"the graph's collective spans {graph_W} ranks, group {group_name!r} has {W}")
+
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass
+class Decision:
+    """What the pass did with one collective (or one retargeted symm_mem op)."""
+
+    kind: str  # "all-gather" | "reduce-scatter" | "symm_mem op"
+    node: str  # the collective's node name in the post-grad graph
+    group_name: Optional[str]
+    dim: Optional[int]  # gather_dim / scatter_dim, when matched
+    fused: bool
+    detail: str  # the op it became, or why it was not fused
+
+    def __str__(self):
+        where = f"group {self.group_name}" + (f", dim {self.dim}" if self.dim is not None else "")
+        state = f"fused -> {self.detail}" if self.fused else f"not fused: {self.detail}"
+        return f"{self.kind} {self.node} ({where}): {state}"
+
+
+_sinks: List[list] = []
+
+
+@contextlib.contextmanager
+def recording(sink: list):
+    """Appends every Decision the pass makes while active to `sink` (explain() uses it)."""
+    _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _sinks.remove(sink)
+
+
+class _Report:
+    def __init__(self):
+        self.decisions: List[Decision] = []
+
+    @property
+    def fused(self) -> int:
+        return sum(d.fused for d in self.decisions)
+
+    def add(self, kind, node, group_name, dim, fused, detail):
+        d = Decision(kind, node.name, group_name, dim, fused, detail)
+        self.decisions.append(d)
+        for sink in _sinks:
+            sink.append(d)
+        env.log("mptp pass: %s", d)
+
+
+# ---------------------------------------------------------------- building checked replacements
+
+
+class _Builder:
+    """Inserts nodes before `anchor`, giving each its fake value; rolls all of them back on failure."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode):
+        self.graph, self.anchor, self.mode, self.new = graph, anchor, fake_mode, []
+
+    def call(self, target, args, kwargs=None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            n = self.graph.call_function(target, args, kwargs)
+        self.new.append(n)
+        fa, fk = torch.utils._pytree.tree_map_only(fx.Node, _val, (args, kwargs))
+        try:
+            with self.mode:
+                n.meta["val"] = target(*fa, **fk)
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot prove it"
+            raise _Reject(f"{getattr(target, '__name__', target)} fails on the fake inputs: {e}") from None
+        return n
+
+    def reshape(self, n: fx.Node, shape) -> fx.Node:
+        return n if list(_tval(n).shape) == list(shape) else self.call(aten.reshape.default, (n, list(shape)))
+
+    def like(self, n: fx.Node, ref: torch.Tensor, what: str) -> fx.Node:
+        """`n` restrided to exactly `ref`'s strides; _Reject unless shape and dtype already match."""
+        v = _tval(n)
+        if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
+            raise _Reject(f"{what}: the replacement is {v.dtype}{list(v.shape)}, the graph has {ref.dtype}{list(ref.shape)}")
+        if tuple(v.stride()) == tuple(ref.stride()):
+            return n
+        if not _is_dense(ref):
+            raise _Reject(f"{what}: strides {ref.stride()} are not dense, cannot restride to them")
+        n = self.call(inductor_prims.force_stride_order, (n, list(ref.stride())))
+        if tuple(_tval(n).stride()) != tuple(ref.stride()):
+            raise _Reject(f"{what}: restrided to {_tval(n).stride()}, the graph has {ref.stride()}")
+        return n
+
+    def rollback(self):
+        for n in reversed(self.new):
+            self.graph.erase_node(n)
+        self.new = []
+
+
+def _fake_mode(nodes):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in nodes:
+        v = _val(n)
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    raise _Reject("the graph carries no fake tensors in meta['val']")
+
+
+def _erase_dead(graph: fx.Graph, nodes) -> None:
+    """Erases the given nodes that have no users left, users before producers."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted({n for n in nodes if n in order and n.op == "call_function"}, key=order.__getitem__, reverse=True):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def _raise_ancestors(graph: fx.Graph, anchor: fx.Node, nodes: set) -> None:
+    """Moves the nodes (a set closed under ancestry) that come after `anchor` above it, in order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(nodes, key=order.__getitem__):
+        if n.op != "placeholder" and order[n] > order[anchor]:
+            anchor.prepend(n)
+
+
+# ---------------------------------------------------------------- matmuls
+
+
 @dataclass
 class _Matmul:
-    """mm / _scaled_mm, optionally wrapped as reshape -> mm -> reshape (N-D)."""
+    """mm / bmm / _scaled_mm whose first operand `A` is a logical reshape of a collective's value."""
 
-    mm: fx.Node
-    pre: Optional[fx.Node] = None
-    post: Optional[fx.Node] = None
-    scaled: bool = field(init=False)
-
-    def __post_init__(self):
-        self.scaled = self.mm.target is aten._scaled_mm.default
+    node: fx.Node
+    chain: list  # the logical reshapes between the collective's value and A (A last)
 
     @property
-    def out(self) -> fx.Node:
-        return self.post if self.post is not None else self.mm
-
-    def arg(self, i, name, default=None):
-        a = self.mm.args
-        return a[i] if len(a) > i else self.mm.kwargs.get(name, default)
+    def A(self) -> fx.Node:
+        return self.node.args[0]
 
     @property
-    def B(self):
-        return self.mm.args[1]
+    def scaled(self) -> bool:
+        return self.node.target is _SCALED_MM
 
     def other_args(self) -> list:
-        """Every argument besides A (B, scales, bias, result scale)."""
+        n = self.node
         if not self.scaled:
-            return [self.B]
-        return [self.B, self.arg(2, "scale_a"), self.arg(3, "scale_b"), self.arg(4, "bias"),
-                self.arg(5, "scale_result")]  # fmt: skip
+            return [n.args[1]]
+        return [n.args[1], _arg(n, 2, "scale_a"), _arg(n, 3, "scale_b"), _arg(n, 4, "bias"), _arg(n, 5, "scale_result")]
 
-    def erase(self, graph):
-        for n in (self.post, self.mm, self.pre):
-            if n is not None and not n.users:
-                graph.erase_node(n)
+    @property
+    def expand(self) -> Optional[fx.Node]:
+        """bmm's B when it is an expand (dead once the matmul is fused)."""
+        B = self.node.args[1] if self.node.target is _BMM else None
+        return B if B is not None and B.target is aten.expand.default else None
 
+    def B_2d(self, b: _Builder) -> fx.Node:
+        """The 2-D B; for bmm, the one matrix its batched B broadcasts."""
+        B = self.node.args[1]
+        if self.node.target is not _BMM:
+            return B
+        K, N = _tval(B).shape[1:]
+        if B.target is aten.expand.default and _tval(B.args[0]).numel() == K * N:
+            return b.reshape(B.args[0], [K, N])
+        return b.call(aten.select.int, (B, 0, 0))
 
-def _consumer_matmuls(A: fx.Node) -> List[_Matmul]:
-    out = []
-    for u in A.users:
-        if u.target in _MMS and u.args[0] is A:
-            out.append(_Matmul(u))
-        elif u.target in _RESHAPES and u.args[0] is A:
-            for mm in u.users:
-                if mm.target in _MMS and mm.args[0] is u and len(mm.users) == 1:
-                    (post,) = mm.users
-                    if post.target in _RESHAPES:
-                        out.append(_Matmul(mm, pre=u, post=post))
-    return out
-
-
-def _producer_matmul(C: fx.Node) -> Optional[_Matmul]:
-    if C.target in _MMS:
-        return _Matmul(C)
-    if C.target in _RESHAPES:
-        mm = C.args[0]
-        if isinstance(mm, fx.Node) and mm.target in _MMS and len(mm.users) == 1:
-            pre = mm.args[0]
-            if isinstance(pre, fx.Node) and pre.target in _RESHAPES:
-                return _Matmul(mm, pre=pre, post=C)
-    return None
+    def why_not(self) -> Optional[str]:
+        n = self.node
+        if n.target is _BMM:
+            B = _tval(n.args[1])
+            if B.shape[0] != 1 and B.stride(0) != 0:
+                return f"{n.name}: bmm with a batched B (not one matrix broadcast over the batch)"
+        return None
 
 
-def _skip_aliases(n: fx.Node, nodes: list) -> fx.Node:
-    """Follows single-user aten.alias chains (make_fx leaves them after views)."""
-    while len(n.users) == 1 and next(iter(n.users)).target is aten.alias.default:
-        n = next(iter(n.users))
-        nodes.append(n)
-    return n
+def _consumer_matmuls(res: fx.Node) -> list:
+    """Matmuls whose first operand is res seen through logical reshapes only."""
+    found, stack = [], [(res, [])]
+    while stack:
+        cur, chain = stack.pop()
+        for u in cur.users:
+            if not u.args or u.args[0] is not cur:
+                continue
+            if u.target in _LOGICAL_RESHAPES:
+                stack.append((u, [*chain, u]))
+            elif u.target in _MATMULS and cur not in u.args[1:]:
+                found.append(_Matmul(u, chain))
+    order = {n: i for i, n in enumerate(res.graph.nodes)}
+    return sorted(found, key=lambda m: order[m.node])
+
+
+def _fully_consumed(node: fx.Node, matmuls: set) -> bool:
+    """True when every use of node is by one of the matmuls or by a reshape that itself is."""
+    for u in node.users:
+        if u in matmuls and u.args[0] is node:
+            continue
+        if u.target in _LOGICAL_RESHAPES and u.args[0] is node and _fully_consumed(u, matmuls):
+            continue
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- all-gather
 
 
 @dataclass
@@ -167,240 +360,283 @@ class _AllGather:
     view_dtype: Optional[torch.dtype] = None  # type-erased FP8: the dtype the bytes are viewed as
 
 
-def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
-    shard, group_name = ag.args[0], ag.args[2] if len(ag.args) > 2 else ag.kwargs.get("group_name")
-    if len(ag.users) != 1:
-        return None
-    (wait,) = ag.users
-    if wait.target is not _c10d.wait_tensor.default:
-        return None
-    users = list(wait.users)
-    splits = [u for u in users if u.target in _SPLITS]
-    if splits and len(splits) == len(users) == 1:
-        split = splits[0]
-        if (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) != 0:
+def _skip_aliases(n: fx.Node, nodes: list) -> fx.Node:
+    """Follows single-user aten.alias chains (make_fx leaves them after views)."""
+    while len(n.users) == 1 and next(iter(n.users)).target is aten.alias.default:
+        n = next(iter(n.users))
+        nodes.append(n)
+    return n
+
+
+def _single_user(n: fx.Node) -> Optional[fx.Node]:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[list]:
+    """The W pieces of src along dim, in order, as split+getitem or slice nodes; None otherwise."""
+    users = list(src.users)
+    if len(users) == 1 and users[0].target in _SPLITS:
+        split = users[0]
+        sizes = split.args[1]
+        if _arg(split, 2, "dim", 0) % _tval(src).dim() != dim:
             return None
-        getitems = sorted(split.users, key=lambda g: g.args[1])
-        if not all(g.target is operator.getitem for g in getitems):
+        if isinstance(sizes, int):
+            sizes = [sizes] * W if sizes * W == _tval(src).shape[dim] else None
+        if sizes is None or list(sizes) != [piece] * W:
             return None
-        nodes = [ag, wait, split, *getitems]
-        # Optional per-piece view.dtype (type-erased fp8), then one cat.
-        pieces = []
-        for g in getitems:
-            g = _skip_aliases(g, nodes)
-            if len(g.users) != 1:
+        items = {}
+        for g in split.users:
+            if g.target is not operator.getitem or g.args[1] in items:
                 return None
-            (p,) = g.users
-            if p.target is aten.view.dtype:
-                nodes.append(p)
-                p = _skip_aliases(p, nodes)
-                if len(p.users) != 1:
-                    return None
-                (p2,) = p.users
-                pieces.append((p, p2))
-            else:
-                pieces.append((g, p))
-        cats = {p2 for _, p2 in pieces}
-        if len(cats) != 1:
+            items[g.args[1]] = g
+        if sorted(items) != list(range(W)):
             return None
-        (cat,) = cats
-        if cat.target is not aten.cat.default or list(cat.args[0]) != [p for p, _ in pieces]:
+        return [split, *(items[i] for i in range(W))]
+    slices = [u for u in users if u.target is aten.slice.Tensor]
+    if len(slices) != W or len(users) != W:
+        return None
+    size = _tval(src).shape[dim]
+    by_start = {}
+    for s in slices:
+        d, start, end, step = _arg(s, 1, "dim", 0), _arg(s, 2, "start"), _arg(s, 3, "end"), _arg(s, 4, "step", 1)
+        start, end = start or 0, size if end is None else min(end, size)
+        if d % _tval(src).dim() != dim or step != 1 or end - start != piece or start % piece:
             return None
-        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-        nodes.append(cat)
-        res = _skip_aliases(cat, nodes)
-        view_dtype = pieces[0][0].args[1] if pieces[0][0].target is aten.view.dtype else None
-        if len(res.users) == 1 and next(iter(res.users)).target is aten.view.dtype:
-            res = next(iter(res.users))
-            view_dtype = res.args[1]
-            nodes.append(res)
-        res = _skip_aliases(res, nodes)
-        ndim = _val(res).dim() if _val(res) is not None else None
-        if ndim is not None:
-            dim %= ndim
-        return _AllGather(ag, wait, res, shard, dim, group_name, nodes, view_dtype)
-    res = wait
+        by_start[start // piece] = s
+    if sorted(by_start) != list(range(W)):
+        return None
+    return [by_start[i] for i in range(W)]
+
+
+def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
+    shard, W, group_name = ag.args[0], _arg(ag, 1, "group_size"), _arg(ag, 2, "group_name")
+    wait = _single_user(ag)
+    if wait is None or wait.target is not _c10d.wait_tensor.default or _val(shard) is None:
+        return None
     nodes = [ag, wait]
-    view_dtype = None
-    if len(users) == 1 and users[0].target is aten.view.dtype:
-        res = users[0]
-        view_dtype = res.args[1]
+    src = _skip_aliases(wait, nodes)
+    pieces = _pieces_in_order(src, 0, W, _tval(shard).shape[0])
+    if pieces is None:
+        # gather_dim 0: A is the waited tensor (maybe viewed back from bytes).
+        res, view_dtype = src, None
+        user = _single_user(src)
+        if user is not None and user.target is aten.view.dtype:
+            res, view_dtype = user, user.args[1]
+            nodes.append(res)
+        return _AllGather(ag, wait, _skip_aliases(res, nodes), shard, 0, group_name, nodes, view_dtype)
+    getitems = pieces[1:] if pieces[0].target in _SPLITS else pieces
+    nodes.extend(pieces)
+    # Optional per-piece view.dtype (type-erased fp8), then one cat in piece order.
+    ends, view_dtype = [], None
+    for g in getitems:
+        g = _skip_aliases(g, nodes)
+        u = _single_user(g)
+        if u is not None and u.target is aten.view.dtype:
+            view_dtype = u.args[1]
+            nodes.append(u)
+            g = _skip_aliases(u, nodes)
+        ends.append(g)
+    cats = {_single_user(g) for g in ends}
+    if len(cats) != 1:
+        return None
+    (cat,) = cats
+    if cat is None or cat.target is not aten.cat.default or list(cat.args[0]) != ends:
+        return None
+    nodes.append(cat)
+    res = _skip_aliases(cat, nodes)
+    user = _single_user(res)
+    if view_dtype is None and user is not None and user.target is aten.view.dtype:
+        res, view_dtype = user, user.args[1]
         nodes.append(res)
-    res = _skip_aliases(res, nodes)
-    return _AllGather(ag, wait, res, shard, 0, group_name, nodes, view_dtype)
+        res = _skip_aliases(res, nodes)
+    gather_dim = _arg(cat, 1, "dim", 0) % _tval(cat).dim()
+    return _AllGather(ag, wait, res, shard, gather_dim, group_name, nodes, view_dtype)
+
+
+def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
+    """Rewrites one matched all-gather; returns the op it became or raises _Reject."""
+    shard_val, res_val = _tval(m.shard), _tval(m.res)
+    last = m.gather_dim == res_val.dim() - 1
+    _check_group(m.group_name, _arg(m.ag, 1, "group_size"))
+    if shard_val.dim() < 2:
+        raise _Reject("the shard is 1-D (the ops take A with >= 2 dims)")
+    if not (_static(shard_val) and _static(res_val)):
+        raise _Reject("symbolic shapes")
+    collective = set(m.nodes)
+    matmuls, skipped = [], []
+    for mm in _consumer_matmuls(m.res):
+        why = mm.why_not()
+        if why is None and _ancestors(mm.other_args()) & collective:
+            why = f"{mm.node.name}'s other arguments depend on the collective"
+        if why is None and _tval(mm.A).shape[-1] != res_val.shape[-1]:
+            why = f"{mm.node.name} multiplies a reshape of A that regroups its last dim"
+        if why is None and not _static(_tval(mm.node)):
+            why = "symbolic shapes"
+        (skipped if why else matmuls).append(why or mm)
+    if not matmuls:
+        users = sorted({str(u.target) for u in m.res.users})
+        raise _Reject("; ".join(skipped) or f"no matmul consumes it through reshapes only (its users: {users})")
+    if len({mm.scaled for mm in matmuls}) != 1:
+        raise _Reject("mixed matmul kinds (mm/bmm and _scaled_mm) consume it")
+    scaled = matmuls[0].scaled
+    need_A = not _fully_consumed(m.res, {mm.node for mm in matmuls})
+    if last and scaled:
+        raise _Reject("the scaled op cannot gather the last (K) dim")
+    if last and need_A:
+        raise _Reject("gathering the last dim: the gathered tensor has users besides the matmuls")
+
+    b = _Builder(graph, m.ag, _fake_mode([m.shard, m.res]))
+    try:
+        shard = m.shard
+        if not last:
+            from ..ops import restride_A_shard_for_fused_all_gather_matmul
+
+            stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
+            if tuple(stride) != tuple(shard_val.stride()):
+                shard = b.call(inductor_prims.force_stride_order, (shard, list(stride)))
+        if m.view_dtype is not None:
+            shard = b.call(aten.view.dtype, (shard, m.view_dtype))  # fp8 travelled as bytes
+        Bs = [mm.B_2d(b) for mm in matmuls]
+        if not scaled:
+            op = torch.ops.mptp.fused_all_gather_matmul.default
+            fused = b.call(op, (shard, Bs, m.gather_dim, m.group_name), {"return_A": need_A})
+        else:
+            a_scales = {_arg(mm.node, 2, "scale_a") for mm in matmuls}
+            if len(a_scales) != 1:
+                raise _Reject("the matmuls use different A scales")
+            a_scale = a_scales.pop()
+            if _tval(a_scale).numel() > 1:  # row-wise [M, 1] -> A_full's rows (the "replicated" mode)
+                a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
+            nodes = [mm.node for mm in matmuls]
+            op = torch.ops.mptp.fused_all_gather_scaled_matmul.default
+            fused = b.call(op, (
+                shard, Bs, a_scale, [_arg(n, 3, "scale_b") for n in nodes], m.gather_dim, m.group_name,
+                [_arg(n, 4, "bias") for n in nodes], [_arg(n, 5, "scale_result") for n in nodes],
+                [_arg(n, 6, "out_dtype") for n in nodes], [bool(_arg(n, 7, "use_fast_accum", False)) for n in nodes],
+            ))  # fmt: skip
+        outs = b.call(operator.getitem, (fused, 1))
+        new_mms = []
+        for i, mm in enumerate(matmuls):
+            out = b.reshape(b.call(operator.getitem, (outs, i)), _tval(mm.node).shape)
+            new_mms.append(b.like(out, _tval(mm.node), mm.node.name))
+        new_A = b.like(b.call(operator.getitem, (fused, 0)), res_val, m.res.name) if need_A else None
+    except _Reject:
+        b.rollback()
+        raise
+    _raise_ancestors(graph, b.new[0], _ancestors([a for mm in matmuls for a in mm.other_args()]) - set(b.new))
+    expands = [mm.expand for mm in matmuls]
+    for mm, new in zip(matmuls, new_mms):
+        mm.node.replace_all_uses_with(new)
+    if new_A is not None:
+        m.res.replace_all_uses_with(new_A)
+    _erase_dead(graph, [*(mm.node for mm in matmuls), *(n for mm in matmuls for n in mm.chain), *m.nodes, *expands])
+    return f"mptp.{op._schema.name.split('::')[1]} ({len(matmuls)} matmul{'s' * (len(matmuls) > 1)})"
+
+
+# ---------------------------------------------------------------- reduce-scatter
 
 
 @dataclass
 class _ReduceScatter:
     rs: fx.Node
     wait: fx.Node
-    inp: fx.Node  # C as produced by the matmul
+    inp: fx.Node  # C, the tensor reduce-scattered along scatter_dim
     scatter_dim: int
     reduce_op: str
     group_name: str
-    nodes: list
+    nodes: list  # the reassembly (split/slices + cat) and rs, wait
 
 
 def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
-    inp, reduce_op = rs.args[0], rs.args[1]
-    group_name = rs.args[3] if len(rs.args) > 3 else rs.kwargs.get("group_name")
+    inp, reduce_op, W = rs.args[0], _arg(rs, 1, "reduce_op"), _arg(rs, 2, "group_size")
+    group_name = _arg(rs, 3, "group_name")
     waits = [u for u in rs.users if u.target is _c10d.wait_tensor.default]
-    if len(waits) != 1:
+    if len(waits) != 1 or _val(inp) is None:
         return None
-    wait = waits[0]
-    nodes = [rs, wait]
-    dim = 0
-    if inp.target is aten.cat.default and (inp.args[1] if len(inp.args) > 1 else 0) == 0:
-        pieces = inp.args[0]
-        if all(isinstance(p, fx.Node) and p.target is operator.getitem for p in pieces):
-            splits = {p.args[0] for p in pieces}
-            if len(splits) == 1:
-                (split,) = splits
-                if split.target in _SPLITS and len(inp.users) == 1 and len(split.users) == len(pieces):
-                    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-                    nodes = [split, *pieces, inp, rs, wait]
-                    inp = split.args[0]
-    if _val(inp) is not None:
-        dim %= _val(inp).dim()
-    return _ReduceScatter(rs, wait, inp, dim, reduce_op, group_name, nodes)
+    nodes, dim = [rs, waits[0]], 0
+    if inp.target is aten.cat.default and _arg(inp, 1, "dim", 0) == 0 and len(inp.users) == 1:
+        pieces = list(inp.args[0])
+        src = pieces[0].args[0] if pieces and isinstance(pieces[0], fx.Node) else None
+        if src is not None and src.target in _SPLITS:
+            src = src.args[0]
+        if isinstance(src, fx.Node) and _val(src) is not None:
+            for d in range(_tval(src).dim()):
+                if _tval(src).shape[d] % W:
+                    continue
+                found = _pieces_in_order(src, d, W, _tval(src).shape[d] // W)
+                getitems = found[1:] if found and found[0].target in _SPLITS else found
+                if found is not None and getitems == pieces:
+                    nodes, dim, inp = [*found, inp, *nodes], d, src
+                    break
+    return _ReduceScatter(rs, waits[0], inp, dim, reduce_op, group_name, nodes)
 
 
-def _hidden_by_independent_matmul(coll: fx.Node, graph: fx.Graph) -> bool:
-    """True when some matmul is neither ancestor nor descendant of the collective."""
-    anc, desc = _ancestors([coll]), _descendants(coll)
-    return any(n.target in _MMS and n not in anc and n not in desc for n in graph.nodes)
+def _producer_matmul(C: fx.Node, collective: set) -> _Matmul:
+    """The matmul whose result C is, through logical reshapes used by nothing else; _Reject otherwise."""
+    chain, n = [], C
+    while n.target in _LOGICAL_RESHAPES:
+        chain.append(n)
+        n = n.args[0]
+    if n.target not in _MATMULS:
+        raise _Reject(f"its input is not a matmul seen through reshapes (it is {n.target})")
+    for node, users in zip([n, *reversed(chain)], [*({u} for u in reversed(chain)), collective]):
+        if set(node.users) - users:
+            raise _Reject(f"the matmul result has other users ({node.name})")
+    return _Matmul(n, chain)
 
 
-def _raise_ancestors(graph: fx.Graph, anchor: fx.Node, nodes: set) -> None:
-    """Moves the nodes (ancestors of the fused op's arguments) that come after `anchor` above it."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted(nodes, key=order.__getitem__):
-        if n.op != "placeholder" and order[n] > order[anchor]:
-            anchor.prepend(n)
-
-
-class _Report:
-    def __init__(self):
-        self.fused, self.rejected = 0, 0
-
-    def reject(self, what, node, why):
-        self.rejected += 1
-        env.log("mptp pass: not fusing %s %s: %s", what, node.name, why)
-
-    def fuse(self, what, node, op):
-        self.fused += 1
-        env.log("mptp pass: fused %s %s -> %s", what, node.name, op)
-
-
-def _fuse_all_gather(graph: fx.Graph, m: _AllGather, rep: _Report) -> None:
-    if not _group_enabled(m.group_name):
-        return rep.reject("all-gather", m.ag, f"group {m.group_name!r} is not enabled for symmetric memory")
-    matmuls = _consumer_matmuls(m.res)
-    if not matmuls:
-        return rep.reject("all-gather", m.ag, "no matmul consumes the gathered tensor")
-    if len({mm.scaled for mm in matmuls}) != 1:
-        return rep.reject("all-gather", m.ag, "mixed matmul kinds (mm and _scaled_mm) consume it")
-    collective = set(m.nodes)
-    for mm in matmuls:
-        if _ancestors(mm.other_args()) & collective:
-            return rep.reject("all-gather", m.ag, f"{mm.mm.name}'s other arguments depend on the collective")
-    shard_val = _val(m.shard)
-    if shard_val is not None and m.gather_dim == shard_val.dim() - 1:
-        return rep.reject("all-gather", m.ag, "gathering the last dim is not fused")
-    scaled = matmuls[0].scaled
-    if scaled:
-        a_scales = {mm.arg(2, "scale_a") for mm in matmuls}
-        if len(a_scales) != 1:
-            return rep.reject("all-gather", m.ag, "matmuls use different A scales")
-    # Insert where the all-gather starts; arguments' ancestors move above it.
-    anchor = m.ag
-    with graph.inserting_before(anchor):
-        shard = m.shard
-        if shard_val is not None and m.gather_dim != 0:
-            from ..ops import restride_A_shard_for_fused_all_gather_matmul
-
-            stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
-            shard = graph.call_function(inductor_prims.force_stride_order, (shard, stride))
-        if m.view_dtype is not None:
-            # Type-erased FP8: the shard travels as bytes; view it back first.
-            shard = graph.call_function(aten.view.dtype, (shard, m.view_dtype))
-        Bs = [mm.B for mm in matmuls]
-        if not scaled:
-            fused = graph.call_function(torch.ops.mptp.fused_all_gather_matmul.default,
-                                        (shard, Bs, m.gather_dim, m.group_name), {"return_A": True})  # fmt: skip
-            op = "mptp.fused_all_gather_matmul"
-        else:
-            a_scale = matmuls[0].arg(2, "scale_a")
-            res_val = _val(m.res)
-            if res_val is not None and res_val.dim() > 2 and _val(a_scale) is not None and _val(a_scale).numel() > 1:
-                a_scale = graph.call_function(aten.reshape.default, (a_scale, [*res_val.shape[:-1], 1]))
-            fused = graph.call_function(torch.ops.mptp.fused_all_gather_scaled_matmul.default, (
-                shard, Bs, a_scale, [mm.arg(3, "scale_b") for mm in matmuls], m.gather_dim, m.group_name,
-                [mm.arg(4, "bias") for mm in matmuls], [mm.arg(5, "scale_result") for mm in matmuls],
-                [mm.arg(6, "out_dtype") for mm in matmuls], [bool(mm.arg(7, "use_fast_accum", False)) for mm in matmuls],
-            ))  # fmt: skip
-            op = "mptp.fused_all_gather_scaled_matmul"
-        new_A = graph.call_function(operator.getitem, (fused, 0))
-        outs = graph.call_function(operator.getitem, (fused, 1))
-        new_outs = [graph.call_function(operator.getitem, (outs, i)) for i in range(len(matmuls))]
-    # NOTE: computed before the matmuls are erased (erasing clears their args).
-    args_anc = _ancestors([a for mm in matmuls for a in mm.other_args()])
-    for mm, new in zip(matmuls, new_outs):
-        mm.out.replace_all_uses_with(new)
-        mm.erase(graph)
-    m.res.replace_all_uses_with(new_A)
-    for n in reversed(m.nodes):
-        if not n.users:
-            graph.erase_node(n)
-    if not new_A.users:
-        graph.erase_node(new_A)
-        if not scaled:
-            fused.kwargs = {"return_A": False}
-    _raise_ancestors(graph, fused, args_anc - {fused})
-    rep.fuse("all-gather", m.ag, op)
-
-
-def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter, rep: _Report) -> None:
-    if not _group_enabled(m.group_name):
-        return rep.reject("reduce-scatter", m.rs, f"group {m.group_name!r} is not enabled for symmetric memory")
-    mm = _producer_matmul(m.inp)
-    if mm is None:
-        return rep.reject("reduce-scatter", m.rs, "its input is not produced by a matmul")
-    first = m.nodes[0]
-    if len(mm.out.users) != 1 or next(iter(mm.out.users)) is not first:
-        return rep.reject("reduce-scatter", m.rs, "the matmul result has other users")
+def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
+    _check_group(m.group_name, _arg(m.rs, 2, "group_size"))
     if m.reduce_op not in ("sum", "avg"):
-        return rep.reject("reduce-scatter", m.rs, f"reduce_op {m.reduce_op!r}")
-    out_val = _val(mm.out)
-    if out_val is not None and m.scatter_dim == out_val.dim() - 1:
-        return rep.reject("reduce-scatter", m.rs, "scattering the last dim is not fused")
-    A = mm.pre.args[0] if mm.pre is not None else mm.mm.args[0]
-    with graph.inserting_before(m.wait):
+        raise _Reject(f"reduce_op {m.reduce_op!r}")
+    mm = _producer_matmul(m.inp, set(m.nodes))
+    why = mm.why_not()
+    if why:
+        raise _Reject(why)
+    C, out = _tval(m.inp), _tval(m.wait)
+    X = _tval(mm.A)
+    if not all(_static(v) for v in (C, out, X)):
+        raise _Reject("symbolic shapes")
+    K, N = X.shape[-1], _tval(mm.node).shape[-1]
+    if C.shape[-1] != N:
+        raise _Reject(f"the matmul output [.., {N}] is regrouped across its last dim into {list(C.shape)}")
+    if C.dim() < 2:
+        raise _Reject("the reduce-scattered tensor is 1-D")
+    last = m.scatter_dim == C.dim() - 1
+    b = _Builder(graph, m.wait, _fake_mode([m.inp, m.wait]))
+    try:
         if not mm.scaled:
-            if _val(A) is not None and m.scatter_dim != 0:
+            A = b.reshape(mm.A, [*C.shape[:-1], K])
+            if not last:
                 from ..ops import restride_A_for_fused_matmul_reduce_scatter
 
-                stride = restride_A_for_fused_matmul_reduce_scatter(_val(A), m.scatter_dim).stride()
-                A = graph.call_function(inductor_prims.force_stride_order, (A, stride))
-            fused = graph.call_function(torch.ops.mptp.fused_matmul_reduce_scatter.default,
-                                        (A, mm.B, m.reduce_op, m.scatter_dim, m.group_name))  # fmt: skip
-            op = "mptp.fused_matmul_reduce_scatter"
+                stride = restride_A_for_fused_matmul_reduce_scatter(_tval(A), m.scatter_dim).stride()
+                if tuple(stride) != tuple(_tval(A).stride()):
+                    A = b.call(inductor_prims.force_stride_order, (A, list(stride)))
+            op = torch.ops.mptp.fused_matmul_reduce_scatter.default
+            fused = b.call(op, (A, mm.B_2d(b), m.reduce_op, m.scatter_dim, m.group_name))
         else:
-            A2 = mm.mm.args[0]  # the 2-D A that _scaled_mm saw; output_shape restores N-D
-            out_shape = list(out_val.shape) if out_val is not None else None
-            fused = graph.call_function(torch.ops.mptp.fused_scaled_matmul_reduce_scatter.default, (
-                A2, mm.B, mm.arg(2, "scale_a"), mm.arg(3, "scale_b"), m.reduce_op, m.scatter_dim,
-                m.scatter_dim if mm.post is None else 0, m.group_name, out_shape, mm.arg(4, "bias"),
-                mm.arg(5, "scale_result"), mm.arg(6, "out_dtype"), bool(mm.arg(7, "use_fast_accum", False)),
+            n = mm.node
+            # X is the 2-D A that _scaled_mm saw; output_shape restores C's grouping.
+            after = m.scatter_dim if C.dim() == 2 else (1 if last else 0)
+            op = torch.ops.mptp.fused_scaled_matmul_reduce_scatter.default
+            fused = b.call(op, (
+                mm.A, n.args[1], _arg(n, 2, "scale_a"), _arg(n, 3, "scale_b"), m.reduce_op, m.scatter_dim, after,
+                m.group_name, list(C.shape), _arg(n, 4, "bias"), _arg(n, 5, "scale_result"), _arg(n, 6, "out_dtype"),
+                bool(_arg(n, 7, "use_fast_accum", False)),
             ))  # fmt: skip
-            op = "mptp.fused_scaled_matmul_reduce_scatter"
-    m.wait.replace_all_uses_with(fused)
-    m.rs.replace_all_uses_with(fused)  # e.g. saved for backward before the wait
-    for n in reversed(m.nodes):
-        if n in graph.nodes and not n.users:
-            graph.erase_node(n)
-    mm.erase(graph)
-    rep.fuse("reduce-scatter", m.rs, op)
+        new = b.like(fused, out, m.wait.name)
+    except _Reject:
+        b.rollback()
+        raise
+    m.wait.replace_all_uses_with(new)
+    m.rs.replace_all_uses_with(new)  # e.g. saved for backward before the wait
+    expand = mm.expand
+    _erase_dead(graph, [*m.nodes, mm.node, *mm.chain, expand])
+    return f"mptp.{op._schema.name.split('::')[1]}"
+
+
+# ---------------------------------------------------------------- the pass
 
 
 def _retarget_symm_mem(graph: fx.Graph, rep: _Report) -> None:
@@ -415,39 +651,80 @@ def _retarget_symm_mem(graph: fx.Graph, rep: _Report) -> None:
                 continue
             if n.target is theirs:
                 n.target = getattr(torch.ops.mptp, name).default
-                rep.fuse("symm_mem op", n, f"mptp.{name}")
+                rep.add("symm_mem op", n, None, None, True, f"mptp.{name}")
+
+
+def _hidden_collectives(graph: fx.Graph, targets) -> set:
+    """PyTorch's estimate: each compute-intensive node neither ancestor nor descendant of a
+    collective can hide it, and each one hides exactly one collective (graph order, first fit)."""
+    nodes = list(graph.nodes)
+    bit = {n: 1 << i for i, n in enumerate(nodes)}
+    anc = {}
+    for n in nodes:
+        a = 0
+        for i in n.all_input_nodes:
+            a |= anc[i] | bit[i]
+        anc[n] = a
+    colls = [n for n in nodes if n.target in targets]
+    mms = [n for n in nodes if n.op == "call_function" and n.target in _COMPUTE_INTENSIVE]
+    candidates = {c: [x for x in mms if not (anc[x] & bit[c]) and not (anc[c] & bit[x])] for c in colls}
+    available = {x for xs in candidates.values() for x in xs}
+    hidden = set()
+    for c in colls:
+        for x in candidates[c]:
+            if x in available:
+                hidden.add(c)
+                available.remove(x)
+                break
+    return hidden
 
 
 def micro_pipeline_pass(graph: fx.Graph) -> int:
-    """Rewrites the graph in place; returns the number of fusions."""
+    """Rewrites the graph in place; returns the number of fusions (retargeted symm_mem ops included)."""
     import mptp_kernels  # noqa: F401  (torch.ops.mptp must exist)
 
     rep = _Report()
     _retarget_symm_mem(graph, rep)
-    reorder = bool(getattr(torch._inductor.config, "reorder_for_compute_comm_overlap", False))
+    ag_t, rs_t = _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default
+    hidden = set()
+    if getattr(torch._inductor.config, "reorder_for_compute_comm_overlap", False):
+        hidden = _hidden_collectives(graph, (ag_t, rs_t))
     kinds = [
-        ("all-gather", _c10d.all_gather_into_tensor.default, _match_all_gather, _fuse_all_gather,
-         "its users do not form a known all-gather pattern"),
-        ("reduce-scatter", _c10d.reduce_scatter_tensor.default, _match_reduce_scatter, _fuse_reduce_scatter,
-         "no wait_tensor follows it"),
+        ("all-gather", ag_t, _match_all_gather, _fuse_all_gather, "gather_dim", "no wait_tensor follows it"),
+        ("reduce-scatter", rs_t, _match_reduce_scatter, _fuse_reduce_scatter, "scatter_dim", "no wait_tensor follows it"),
     ]  # fmt: skip
     total = 0
-    for what, target, match, fuse, no_match in kinds:
+    # All-gathers first (as PyTorch): their matmuls are not producers of a reduce-scatter any more.
+    for what, target, match, fuse, dim_attr, no_match in kinds:
         colls = [n for n in graph.nodes if n.target is target]
         total += len(colls)
         for coll in colls:
-            m = match(coll)
+            group = _arg(coll, 2 if target is ag_t else 3, "group_name")
+            try:
+                m = match(coll)
+            except _Reject as e:
+                rep.add(what, coll, group, None, False, str(e))
+                continue
             if m is None:
-                rep.reject(what, coll, no_match)
-            elif reorder and _hidden_by_independent_matmul(coll, graph):
-                rep.reject(what, coll, "already hidden by an independent matmul (reorder_for_compute_comm_overlap)")
-            else:
-                fuse(graph, m, rep)
+                rep.add(what, coll, group, None, False, no_match if not coll.users else "unrecognized form")
+                continue
+            dim = getattr(m, dim_attr)
+            if coll in hidden:
+                rep.add(what, coll, group, dim, False,
+                        "an independent matmul already hides it (reorder_for_compute_comm_overlap)")  # fmt: skip
+                continue
+            try:
+                rep.add(what, coll, group, dim, True, fuse(graph, m))
+            except _Reject as e:
+                rep.add(what, coll, group, dim, False, str(e))
     graph.lint()
     if rep.fused == 0 and total:
         warnings.warn(
             f"mptp micro-pipeline pass is enabled but fused none of {total} collectives "
-            "in this graph (MPTP_LOG=1 says why)",
+            "in this graph (MPTP_LOG=1 or mptp_kernels.explain() says why)",
             stacklevel=2,
         )
     return rep.fused
+
+
+__all__: List[Any] = ["Decision", "micro_pipeline_pass", "recording"]

@@ -1,20 +1,26 @@
 """The FX pass on graphs traced with make_fx (fake tensors: no communication).
 
-Structure tests trace with world size 4; the numeric checks trace with the
-real (world size 1, gloo) group and run the graph before and after the pass.
+Structure tests trace with world size 4 on a fake (non-communicating) group and
+check which ops the pass emits and that every graph output keeps its shape,
+strides and dtype; the numeric checks trace with the real (world size 1, gloo)
+group and run the graph before and after the pass. Differential numerics on 2
+processes live in test_differential.py.
 """
-
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_leaves
 
 import mptp_kernels
+from mptp_kernels.compile import micro_pipeline
 from mptp_kernels.compile.micro_pipeline import micro_pipeline_pass
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+mptp = torch.ops.mptp
 FP8 = torch.float8_e4m3fn
+W4 = 4
 
 
 @pytest.fixture
@@ -45,180 +51,399 @@ def _trace(fn, *args):
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
+def _layouts(gm):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in (a.meta["val"] for a in tree_leaves(out.args))]
+
+
 def _run_pass(gm):
+    """Runs the pass; asserts every graph output kept its shape, strides and dtype."""
+    before = _layouts(gm)
     n = micro_pipeline_pass(gm.graph)
     gm.recompile()
+    assert _layouts(gm) == before, "the pass changed an output's layout"
     return n
 
 
-def _check_numerics(fn, args):
+def _fused(gm, op):
+    return [n for n in gm.graph.nodes if n.target is op.default]
+
+
+def _check_numerics(fn, args, expect_fused=1):
     gm = _trace(fn, *args)
     ref = gm(*args)
-    _run_pass(gm)
+    assert _run_pass(gm) == expect_fused
     out = gm(*args)
-    for r, o in zip(ref if isinstance(ref, (list, tuple)) else [ref], out if isinstance(out, (list, tuple)) else [out]):
+    for r, o in zip(tree_leaves(ref), tree_leaves(out)):
+        assert o.shape == r.shape and o.stride() == r.stride()
         torch.testing.assert_close(o.float(), r.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_all_gather_dim0_two_mms_one_fused_call(group):
+# ---------------------------------------------------------------- all-gather
+
+
+def test_all_gather_dim0_two_mms_one_fused_call(fake4):
     def f(shard, B1, B2):
-        A = _ag(shard, 4, group)
+        A = _ag(shard, W4, fake4)
         return torch.mm(A, B1), torch.mm(A, B2)
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4), torch.randn(16, 6))
     assert _run_pass(gm) == 1
     t = _targets(gm)
-    assert t.count(torch.ops.mptp.fused_all_gather_matmul.default) == 1
+    assert t.count(mptp.fused_all_gather_matmul.default) == 1
     assert c10d.all_gather_into_tensor.default not in t and aten.mm.default not in t
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_all_gather_matmul.default)
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
     assert fused.kwargs["return_A"] is False, "nothing else uses A_full"
     assert len(fused.args[1]) == 2
 
 
-def test_all_gather_result_used_elsewhere_keeps_return_A(group):
+def test_all_gather_result_used_elsewhere_keeps_return_A(fake4):
     def f(shard, B):
-        A = _ag(shard, 4, group)
+        A = _ag(shard, W4, fake4)
         return torch.mm(A, B), A.sum()
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
     assert _run_pass(gm) == 1
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_all_gather_matmul.default)
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
     assert fused.kwargs["return_A"] is True
 
 
-@pytest.mark.parametrize("gather_dim", [0, 1])
-def test_all_gather_3d_reshape_mm_reshape(group, gather_dim):
+@pytest.mark.parametrize("gather_dim", [0, 1, 2])
+def test_all_gather_3d_matmul(fake4, gather_dim):
     def f(shard, B):
-        A = _ag(shard, 4, group, gather_dim)
-        return torch.matmul(A, B)
+        return torch.matmul(_ag(shard, W4, fake4, gather_dim), B)
 
-    gm = _trace(f, torch.randn(2, 3, 16), torch.randn(16, 4))
+    K = 16 * (W4 if gather_dim == 2 else 1)
+    gm = _trace(f, torch.randn(2, 3, 16), torch.randn(K, 4))
     assert _run_pass(gm) == 1
     t = _targets(gm)
-    assert torch.ops.mptp.fused_all_gather_matmul.default in t and aten.mm.default not in t
-    assert aten.cat.default not in t and aten.split.Tensor not in t
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_all_gather_matmul.default)
+    assert aten.mm.default not in t and aten.cat.default not in t and aten.split.Tensor not in t
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
     assert fused.args[2] == gather_dim
-    if gather_dim:
-        assert fused.args[0].target is __import__("torch._inductor.inductor_prims", fromlist=["x"]).force_stride_order
+    # The shard is restrided so that gather_dim is outermost (not for the last dim: the op cats along K).
+    restrided = fused.args[0].target is torch.ops.prims.inductor_force_stride_order.default
+    assert restrided == (gather_dim == 1)
 
 
-def test_all_gather_type_erased_fp8_scaled(group):
+# The three cases of issue 11 item 1: the output regroups A's leading dims.
+def _sp_regroup(g, W):
+    def f(x, w):  # x [B, S/W, D] sequence-sharded; out [B, S, H, Dh]
+        A = _ag(x, W, g, 1)
+        return (A.flatten(0, 1) @ w).view(A.shape[0], A.shape[1], 4, 4)
+
+    return f, (torch.randn(2, 4, 32), torch.randn(32, 16))
+
+
+def _ag_regroup(g, W):
+    def f(x, B):  # all-gather [4, 16, 32] on dim 0 (to [4W, 16, 32]), out regrouped to [8W, 8, 16]
+        return (_ag(x, W, g, 0).reshape(-1, 32) @ B).reshape(8 * W, 8, 16)
+
+    return f, (torch.randn(4, 16, 32), torch.randn(32, 16))
+
+
+def _rs_regroup(g, W):
+    def f(x, B):  # [4, 16, 32] -> mm -> [8, 8, 16] -> reduce-scatter dim 0
+        return _rs((x.reshape(-1, 32) @ B).reshape(8, 8, 16), W, g, 0)
+
+    return f, (torch.randn(4, 16, 32), torch.randn(32, 16))
+
+
+@pytest.mark.parametrize("case", [_sp_regroup, _ag_regroup, _rs_regroup], ids=lambda c: c.__name__)
+def test_issue_item1_regrouped_leading_dims(fake4, group, case):
+    f, args = case(fake4, W4)
+    gm = _trace(f, *args)
+    assert _run_pass(gm) == 1  # fused, and every output kept its shape and strides
+    f1, args1 = case(group, 1)
+    _check_numerics(f1, args1)
+
+
+@pytest.mark.parametrize("form", ["view", "flatten_unflatten", "reshape_chain", "squeeze_unsqueeze"])
+def test_all_gather_reshape_forms(fake4, form):
+    def f(x, B):
+        A = _ag(x, W4, fake4, 0)  # [8, 4, 16]
+        if form == "view":
+            return A.view(-1, 16).mm(B).view(8, 4, 6)
+        if form == "flatten_unflatten":
+            return A.flatten(0, 1).mm(B).unflatten(0, (2, 16))
+        if form == "reshape_chain":  # the last dim changes on the way and comes back
+            return A.reshape(8, 64).reshape(32, 16).mm(B).reshape(-1)
+        return A.unsqueeze(0).reshape(1, 32, 16).squeeze(0).mm(B)
+
+    gm = _trace(f, torch.randn(2, 4, 16), torch.randn(16, 6))
+    assert _run_pass(gm) == 1
+    assert aten.mm.default not in _targets(gm)
+
+
+def test_all_gather_bmm_with_broadcast_B(fake4):
+    def f(x, w):
+        A = _ag(x, W4, fake4, 1)  # [2, 12, 16]
+        return torch.bmm(A, w.expand(2, 16, 8)), torch.matmul(A, w.unsqueeze(0))
+
+    gm = _trace(f, torch.randn(2, 3, 16), torch.randn(16, 8))
+    assert _run_pass(gm) == 1
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
+    assert len(fused.args[1]) == 2
+    assert aten.bmm.default not in _targets(gm)
+
+
+def test_all_gather_bmm_with_batched_B_not_fused(fake4):
+    def f(x, w):
+        return torch.bmm(_ag(x, W4, fake4, 0), w)
+
+    gm = _trace(f, torch.randn(1, 3, 16), torch.randn(4, 16, 8))
+    assert _run_pass(gm) == 0
+
+
+def test_batch1_sequence_gather_as_view_chain(fake4):
+    """What Inductor leaves of a batch-1 gather on dim 1: wait -> view [1, S, D] -> view [S, D] -> mm."""
+
+    def f(x, w):
+        A = c10d.wait_tensor(c10d.all_gather_into_tensor(x, W4, fake4))  # [W, s, D]
+        return (A.view(1, -1, 16).view(-1, 16) @ w).view(1, -1, 8)
+
+    gm = _trace(f, torch.randn(1, 3, 16), torch.randn(16, 8))
+    assert _run_pass(gm) == 1
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
+    assert fused.args[2] == 0
+
+
+def test_all_gather_transposed_before_matmul_not_fused(fake4):
+    def f(x, w):
+        return _ag(x, W4, fake4, 1).transpose(0, 1).reshape(-1, 16) @ w
+
+    gm = _trace(f, torch.randn(2, 3, 16), torch.randn(16, 8))
+    assert _run_pass(gm) == 0
+
+
+def test_all_gather_last_dim_with_other_users_not_fused(fake4):
+    def f(x, w):
+        A = _ag(x, W4, fake4, 1)  # [4, 64], K gathered
+        return A @ w, A.sum()
+
+    gm = _trace(f, torch.randn(4, 16), torch.randn(64, 8))
+    assert _run_pass(gm) == 0
+
+
+def test_all_gather_type_erased_fp8_scaled(fake4):
     def f(shard, B, sa, sb):
-        A = _ag(shard.view(torch.uint8), 4, group).view(FP8)  # fp8 travels as bytes
+        A = _ag(shard.view(torch.uint8), W4, fake4).view(FP8)  # fp8 travels as bytes
         return torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
 
     shard, B = torch.randn(8, 32).to(FP8), torch.randn(16, 32).to(FP8).t()
     gm = _trace(f, shard, B, torch.tensor(1.0), torch.tensor(1.0))
     assert _run_pass(gm) == 1
     t = _targets(gm)
-    assert torch.ops.mptp.fused_all_gather_scaled_matmul.default in t and aten._scaled_mm.default not in t
+    assert mptp.fused_all_gather_scaled_matmul.default in t and aten._scaled_mm.default not in t
 
 
-def test_all_gather_type_erased_fp8_dim1_3d(group):
+def test_all_gather_type_erased_fp8_dim1_3d(fake4):
     def f(shard, B, sa, sb):
         raw = shard.view(torch.uint8)
-        out = c10d.wait_tensor(c10d.all_gather_into_tensor(raw.contiguous(), 4, group))
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(raw.contiguous(), W4, fake4))
         A = torch.cat([p.view(FP8) for p in torch.split(out, raw.shape[0], 0)], dim=1)
         return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(2, 12, 16)
 
     gm = _trace(f, torch.randn(2, 3, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
     assert _run_pass(gm) == 1
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_all_gather_scaled_matmul.default)
+    (fused,) = _fused(gm, mptp.fused_all_gather_scaled_matmul)
     assert fused.args[4] == 1
 
 
-@pytest.mark.parametrize("scatter_dim", [0, 1])
-def test_reduce_scatter_3d(group, scatter_dim):
-    def f(A, B):
-        return _rs(torch.matmul(A, B), 4, group, scatter_dim)
+def test_scaled_all_gather_last_dim_not_fused(fake4):
+    def f(shard, B, sa, sb):
+        A = _ag(shard, W4, fake4, 1)
+        return torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
 
-    gm = _trace(f, torch.randn(4, 8, 16), torch.randn(16, 6))
+    gm = _trace(f, torch.randn(16, 16).to(FP8), torch.randn(16, 64).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    assert _run_pass(gm) == 0
+
+
+# ---------------------------------------------------------------- reduce-scatter
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1, 2])
+def test_reduce_scatter_3d(fake4, scatter_dim):
+    def f(A, B):
+        return _rs(torch.matmul(A, B), W4, fake4, scatter_dim)
+
+    gm = _trace(f, torch.randn(4, 8, 16), torch.randn(16, 8))
     assert _run_pass(gm) == 1
     t = _targets(gm)
-    assert torch.ops.mptp.fused_matmul_reduce_scatter.default in t
     assert c10d.reduce_scatter_tensor.default not in t and aten.mm.default not in t
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_matmul_reduce_scatter.default)
+    (fused,) = _fused(gm, mptp.fused_matmul_reduce_scatter)
     assert fused.args[3] == scatter_dim
 
 
-def test_reduce_scatter_2d_and_result_saved_for_output(group):
+def test_reduce_scatter_last_dim_2d_slices(fake4):
+    """The slice/cat form of the reassembly (what some torch versions emit)."""
+
     def f(A, B):
-        out = _rs(torch.mm(A, B), 4, group)
+        C = A @ B  # [8, 16]
+        x = torch.cat([C[:, i * 4 : (i + 1) * 4] for i in range(W4)], 0)
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", W4, fake4))
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 16))
+    assert _run_pass(gm) == 1
+    (fused,) = _fused(gm, mptp.fused_matmul_reduce_scatter)
+    assert fused.args[3] == 1
+
+
+def test_reduce_scatter_pieces_out_of_order_not_fused(fake4):
+    def f(A, B):
+        C = A @ B
+        x = torch.cat(list(reversed(torch.split(C, 4, 1))), 0)  # not what a reduce-scatter on dim 1 sends
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", W4, fake4))
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 16))
+    assert _run_pass(gm) == 0
+
+
+def test_reduce_scatter_2d_and_result_saved_for_output(fake4):
+    def f(A, B):
+        out = _rs(torch.mm(A, B), W4, fake4)
         return out, out * 2  # the result feeds the output too (e.g. saved for backward)
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 6))
     assert _run_pass(gm) == 1
 
 
-def test_scaled_reduce_scatter(group):
+def test_reduce_scatter_bmm_with_broadcast_B(fake4):
+    def f(A, w):
+        return _rs(torch.bmm(A, w.expand(4, 16, 8)), W4, fake4, 1)
+
+    gm = _trace(f, torch.randn(4, 8, 16), torch.randn(16, 8))
+    assert _run_pass(gm) == 1
+
+
+def test_reduce_scatter_regrouped_across_N_not_fused(fake4):
+    def f(A, B):
+        return _rs((A @ B).reshape(8, 4, 4), W4, fake4, 0)  # N = 16 split into [4, 4]
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 16))
+    assert _run_pass(gm) == 0
+
+
+def test_reduce_scatter_transposed_not_fused(fake4):
+    def f(A, B):
+        return _rs((A @ B).t(), W4, fake4, 0)
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 16))
+    assert _run_pass(gm) == 0
+
+
+def test_scaled_reduce_scatter(fake4):
     def f(A, B, sa, sb):
-        return _rs(torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16), 4, group)
+        return _rs(torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16), W4, fake4)
 
     gm = _trace(f, torch.randn(8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
     assert _run_pass(gm) == 1
-    assert torch.ops.mptp.fused_scaled_matmul_reduce_scatter.default in _targets(gm)
+    assert mptp.fused_scaled_matmul_reduce_scatter.default in _targets(gm)
 
 
-def test_negative_mixed_matmul_kinds(group):
+@pytest.mark.parametrize("scatter_dim", [0, 1, 2])
+def test_scaled_reduce_scatter_3d_reshape(fake4, group, scatter_dim):
+    def f(A, B, sa, sb, W, g):
+        C = torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(4, 8, 16)
+        return _rs(C, W, g, scatter_dim)
+
+    args = (torch.randn(4, 8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    gm = _trace(lambda *a: f(*a, W4, fake4), *args)
+    assert _run_pass(gm) == 1
+    (fused,) = _fused(gm, mptp.fused_scaled_matmul_reduce_scatter)
+    assert fused.args[5] == scatter_dim and list(fused.args[8]) == [4, 8, 16]
+    _check_numerics(lambda *a: f(*a, 1, group), args)
+
+
+# ---------------------------------------------------------------- negatives and bookkeeping
+
+
+def test_negative_mixed_matmul_kinds(fake4):
     shard = torch.randn(8, 32).to(FP8)
 
     def g(shard, B, sa, sb):
-        A = _ag(shard, 4, group)
-        return torch.mm(A, B.to(A.dtype)), torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
+        A = _ag(shard, W4, fake4)
+        return torch.mm(A.float(), B.float()), torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
 
     gm = _trace(g, shard, torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
-    assert _run_pass(gm) == 0
-    assert c10d.all_gather_into_tensor.default in _targets(gm)
+    assert _run_pass(gm) == 1  # A.float() is no reshape: the mm is no consumer; the _scaled_mm fuses
 
 
-def test_negative_B_depends_on_collective(group):
+def test_negative_B_depends_on_collective(fake4):
     def f(shard):
-        A = _ag(shard, 4, group)
+        A = _ag(shard, W4, fake4)
         return torch.mm(A, A[:16].t())
 
     gm = _trace(f, torch.randn(8, 16))
     assert _run_pass(gm) == 0
 
 
-def test_negative_matmul_result_has_other_users(group):
+def test_B_depending_on_collective_only_drops_that_matmul(fake4):
+    def f(shard, B):
+        A = _ag(shard, W4, fake4)
+        return torch.mm(A, A[:16].t()), torch.mm(A, B)
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
+    assert _run_pass(gm) == 1
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
+    assert len(fused.args[1]) == 1 and fused.kwargs["return_A"] is True
+
+
+def test_negative_matmul_result_has_other_users(fake4):
     def f(A, B):
         C = torch.mm(A, B)
-        return _rs(C, 4, group), C.sum()
+        return _rs(C, W4, fake4), C.sum()
 
-    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 6))
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 8))
     assert _run_pass(gm) == 0
 
 
-def test_negative_group_not_enabled(pg1):
+def test_negative_group_not_enabled(fake4):
     def f(shard, B):
-        return torch.mm(_ag(shard, 4, "not-enabled-group"), B)
+        return torch.mm(_ag(shard, 1, "not-enabled-group"), B)
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
     assert _run_pass(gm) == 0
 
 
-def test_negative_already_hidden_with_reorder(group):
-    def f(shard, B, X, Y):
-        A = _ag(shard, 4, group)
-        return torch.mm(A, B), torch.mm(X, Y)  # X @ Y is independent: it hides the all-gather
+def test_negative_group_size_differs_from_the_graph(group):
+    def f(shard, B):
+        return torch.mm(_ag(shard, 4, group), B)  # traced for 4 ranks, the group has 1
 
-    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 8), torch.randn(8, 8))
-    with torch._inductor.config.patch(reorder_for_compute_comm_overlap=True):
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
+    with micro_pipeline.recording([]) as decisions:
         assert _run_pass(gm) == 0
+    assert not decisions[0].fused and "spans 4 ranks" in decisions[0].detail
 
 
-def test_late_B_ancestors_move_above_the_fused_node(group):
+def test_reorder_one_matmul_hides_one_collective(fake4):
+    """PyTorch's rule: X @ Y hides one collective, the second all-gather stays exposed and is fused."""
+
+    def f(shard, B1, B2, X, Y):
+        C1 = torch.mm(_ag(shard, W4, fake4), B1)  # [32, 8]
+        C2 = torch.mm(_ag(C1, W4, fake4), B2)  # depends on the first
+        return C2, torch.mm(X, Y)
+
+    args = (torch.randn(8, 16), torch.randn(16, 8), torch.randn(8, 4), torch.randn(8, 8), torch.randn(8, 8))
+    gm = _trace(f, *args)
+    with torch._inductor.config.patch(reorder_for_compute_comm_overlap=True):
+        with micro_pipeline.recording([]) as decisions:
+            assert _run_pass(gm) == 1
+    assert [d.fused for d in decisions] == [False, True]
+    assert "hides" in decisions[0].detail
+    gm = _trace(f, *args)
+    assert _run_pass(gm) == 2  # without reordering, both
+
+
+def test_late_B_ancestors_move_above_the_fused_node(fake4):
     def f(shard, W):
-        A = _ag(shard, 4, group)
+        A = _ag(shard, W4, fake4)
         B = (W * 2).t()  # traced after the all-gather
         return torch.mm(A, B)
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(4, 16))
-    # make_fx placed W * 2 and its transpose after the all-gather, where the fused node cannot see them.
     assert _run_pass(gm) == 1
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_all_gather_matmul.default)
+    (fused,) = _fused(gm, mptp.fused_all_gather_matmul)
     for n in gm.graph.nodes:
         if n.target in (aten.mul.Tensor, aten.t.default, aten.permute.default):
             assert order[n] < order[fused]
@@ -234,63 +459,18 @@ def test_symm_mem_nodes_are_retargeted(group):
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
     assert _run_pass(gm) == 1
     t = _targets(gm)
-    assert torch.ops.mptp.fused_all_gather_matmul.default in t
+    assert mptp.fused_all_gather_matmul.default in t
     assert torch.ops.symm_mem.fused_all_gather_matmul.default not in t
 
 
-@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dim", [0, 1, 2])
 def test_numerics_unchanged_world_size_1(group, dim):
     def f(shard, B, A2, B2):
         x = torch.matmul(_ag(shard, 1, group, dim), B)
         y = _rs(torch.matmul(A2, B2), 1, group, dim)
         return x, y
 
-    _check_numerics(f, (torch.randn(2, 3, 16), torch.randn(16, 4), torch.randn(2, 4, 8), torch.randn(8, 5)))
-
-
-def test_enable_disable_changes_cache_key_and_chains(pg1):
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    cfg = torch._inductor.config
-    seen = []
-
-    class Other(CustomGraphPass):
-        def __call__(self, graph):
-            seen.append(graph)
-
-        def uuid(self):
-            return "other"
-
-    old = cfg.post_grad_custom_post_pass
-    cfg.post_grad_custom_post_pass = Other()
-    try:
-        with mptp_kernels.enable_micro_pipeline_tp():
-            p = cfg.post_grad_custom_post_pass
-            assert isinstance(p, mptp_kernels.compile.MicroPipelineTPPass) and isinstance(p.chained, Other)
-            uuid_on = p.uuid()
-            g = torch.fx.Graph()
-            g.output(None)
-            p(g)
-            assert seen, "the chained pass did not run"
-            assert getattr(cfg, "_micro_pipeline_tp", False) is False
-        assert isinstance(cfg.post_grad_custom_post_pass, Other)
-        assert uuid_on != cfg.post_grad_custom_post_pass.uuid()
-    finally:
-        cfg.post_grad_custom_post_pass = old
-
-
-@pytest.mark.parametrize("scatter_dim", [0, 1])
-def test_scaled_reduce_scatter_3d_reshape(group, scatter_dim):
-    def f(A, B, sa, sb, W):
-        C = torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(4, 8, 16)
-        return _rs(C, W, group, scatter_dim)
-
-    args = (torch.randn(4, 8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
-    gm = _trace(lambda *a: f(*a, 4), *args)
-    assert _run_pass(gm) == 1
-    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.mptp.fused_scaled_matmul_reduce_scatter.default)
-    assert fused.args[5] == scatter_dim and list(fused.args[8]) == [4, 8, 16]
-    _check_numerics(lambda *a: f(*a, 1), args)
+    _check_numerics(f, (torch.randn(2, 3, 16), torch.randn(16, 4), torch.randn(2, 4, 8), torch.randn(8, 5)), 2)
 
 
 def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
@@ -299,33 +479,4 @@ def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
         return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(2, 3, 16)
 
     args = (torch.randn(2, 3, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.rand(6, 1) + 0.5, torch.rand(1, 16) + 0.5)
-    gm = _trace(f, *args)
-    ref = gm(*args)
-    assert _run_pass(gm) == 1
-    gm.recompile()
-    torch.testing.assert_close(gm(*args).float(), ref.float())
-
-
-def test_fx_graph_cache_key_changes_with_the_pass(pg1, monkeypatch, tmp_path):
-    """A graph compiled without the pass is never served to a compile with it (and back)."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_remote_cache", False)
-
-    def f(x):
-        return torch.relu(x @ x) + 1
-
-    def compile_once():
-        torch._dynamo.reset()
-        counters.clear()
-        torch.compile(f)(torch.randn(8, 8))
-        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-
-    assert compile_once() == (0, 1)  # cold
-    assert compile_once() == (1, 0)  # warm, no pass
-    with mptp_kernels.enable_micro_pipeline_tp():
-        assert compile_once() == (0, 1), "a graph compiled without the pass was reused"
-        assert compile_once() == (1, 0)
-    assert compile_once() == (1, 0)  # the pass-less entry is still there
+    _check_numerics(f, args)
