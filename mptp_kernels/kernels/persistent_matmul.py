@@ -7,14 +7,21 @@ are split into W chunks of M // W rows; `order[i]` is the i-th chunk to compute.
 * consumer (MODE=1): before loading rows of chunk c the program waits (acquire)
   until flags[c] >= epoch. NOTE: flags are written by copy-engine streams or
   stream memory operations, never by another kernel, so spinning here cannot
-  deadlock even when this kernel holds every SM.
+  deadlock even when this kernel holds every SM. After each chunk's wait the
+  program reads err[0] (the process's error record): if any wait timed out, it
+  stores NaN to that chunk's tiles instead of the product, so a call that lost
+  a peer never returns normal-looking output.
 * producer (MODE=2): after storing a tile of chunk c the program bumps
   counters[c]; the program that stores the chunk's last tile resets the counter
   and publishes flags[c] = epoch with release semantics.
 
 Up to three Bs share one launch (same A, same K); bf16/fp16 with fp32
 accumulation, FP8 e4m3 with tensor-wise or row-wise A/B scales, optional bias,
-out dtype bf16/fp16/fp32, fast accumulation switch.
+out dtype bf16/fp16/fp32 or FP8 (e4m3fn/e5m2, optional result scale, cast as
+torch._scaled_mm casts: see epilogue.py), fast accumulation switch.
+
+NOTE: index arithmetic that can reach 2**31 (row * stride, row * N, column *
+K-major stride) is int64: the row (column) index vector is widened once per tile.
 """
 
 import functools
@@ -26,6 +33,8 @@ import triton
 import triton.language as tl
 
 from ..symm.triton_sync import signal_release, wait_acquire
+from . import epilogue
+from .epilogue import load_result_scale, to_output
 
 MAX_B = 3
 MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
@@ -70,19 +79,21 @@ def _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _persistent_matmul_kernel(
-    A, B0, B1, B2, C0, C1, C2, BIAS0, BIAS1, BIAS2, BS0, BS1, BS2, A_SCALE,
+    A, B0, B1, B2, C0, C1, C2, BIAS0, BIAS1, BIAS2, BS0, BS1, BS2, A_SCALE, RS,
     D0, D1, D2, D3, D4, D5, D6, D7,
     N0, N1, N2,
     stride_b0k, stride_b0n, stride_b1k, stride_b1n, stride_b2k, stride_b2n,
     M, K, stride_am, stride_ak,
-    order_ptr, flags_ptr, counters_ptr, epoch, timeout_ns, err_ptr,
+    order_ptr, flags_ptr, counters_ptr, epoch, timeout_ns, err_ptr, tag,
     NUM_CHUNKS: tl.constexpr, NUM_B: tl.constexpr, MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr,
+    RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr,
     FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCATTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     # A_SCALE_MODE / B_SCALE_MODE: 0 none, 1 tensor-wise (one float), 2 row-wise (per row / col).
+    # RS_MODE, E5M2_INF, SOFT_FP8: FP8 output conversion (epilogue.py).
     pid = tl.program_id(0)
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
@@ -97,7 +108,9 @@ def _persistent_matmul_kernel(
     total = tiles_per_chunk * NUM_CHUNKS
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
+    out_factor = load_result_scale(RS, RS_MODE)
     ready_chunk = -1
+    failed = 0  # consumer: err[0] as read after this chunk's wait
 
     for tile in range(pid, total, NUM_SMS):
         idx = tile // tiles_per_chunk
@@ -105,7 +118,8 @@ def _persistent_matmul_kernel(
         chunk = tl.load(order_ptr + idx)
         if MODE == 1:
             if chunk != ready_chunk:
-                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
+                failed = tl.load(err_ptr, volatile=True)
                 ready_chunk = chunk
         # Which B does this tile belong to?
         b = 0
@@ -125,7 +139,8 @@ def _persistent_matmul_kernel(
         pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, tl.cdiv(N, BLOCK_N), GROUP_M)
 
         row_start = chunk * chunk_m
-        offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # int64 rows: rows * stride_am and rows * N pass 2**31 on large problems.
+        offs_m = (row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = offs_m < row_start + chunk_m
         col_mask = offs_n < N
@@ -135,7 +150,8 @@ def _persistent_matmul_kernel(
         # contiguous, and a row-major B is loaded element by element (25x slower).
         offs_bn = tl.max_contiguous(tl.multiple_of(offs_bn, BLOCK_N), BLOCK_N)
         a_ptrs = A + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = Bp + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        # int64 columns: a K-major B has stride_bn = K, and N * K may pass 2**31.
+        b_ptrs = Bp + offs_k[:, None] * stride_bk + offs_bn.to(tl.int64)[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_tiles):
             k_mask = offs_k < K - kk * BLOCK_K
@@ -158,13 +174,18 @@ def _persistent_matmul_kernel(
             acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
+        if RS_MODE != 0:
+            acc = acc * out_factor
+        if MODE == 1:
+            acc = tl.where(failed != 0, float("nan"), acc)
         if SCATTER:
             # Chunk c's rows go to D_c (e.g. rank c's symmetric buffer), rows renumbered from 0.
             Cp = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
             c_ptrs = Cp + (offs_m - row_start)[:, None] * N + offs_n[None, :]
         else:
             c_ptrs = Cp + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(Cp.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        out = to_output(acc, Cp.dtype.element_ty, E5M2_INF, SOFT_FP8)
+        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
 
         if MODE == 2:
             # Publish the chunk once its last tile is stored (release orders the stores).
@@ -176,10 +197,11 @@ def _persistent_matmul_kernel(
 
 @triton.jit
 def _persistent_matmul_tma_kernel(
-    a_desc, b_desc, C, A_SCALE, BS, BIAS, M, N, K,
-    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr,
+    a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
+    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag,
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
+    E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
     B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
@@ -200,13 +222,16 @@ def _persistent_matmul_tma_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_chunk = pid_m_per_chunk * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    out_factor = load_result_scale(RS, RS_MODE)
     for idx in range(NUM_CHUNKS):
         chunk = tl.load(order_ptr + idx)
         # First tile of this chunk that is ours: global index idx * tiles_per_chunk + t == pid (mod NUM_SMS).
         first = (pid + NUM_SMS - (idx * tiles_per_chunk) % NUM_SMS) % NUM_SMS
+        failed = 0
         if MODE == 1:
             if first < tiles_per_chunk:
-                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk)
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
+                failed = tl.load(err_ptr, volatile=True)
         row_start = chunk * chunk_m
         for t in tl.range(first, tiles_per_chunk, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
@@ -238,8 +263,14 @@ def _persistent_matmul_tma_kernel(
                 acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
             if HAS_BIAS:
                 acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            c_ptrs = C + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+            if RS_MODE != 0:
+                acc = acc * out_factor
+            if MODE == 1:
+                acc = tl.where(failed != 0, float("nan"), acc)
+            # int64 rows: rows * N passes 2**31 on large outputs.
+            c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
+            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _tma_ok(A, Bs, scatter_to, mode) -> bool:
@@ -323,14 +354,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
+_interpreting = epilogue.interpreting
 _DUMMY = {}
 _ORDERS = {}
+_ERR = {}
 
 
 def _identity_order(device, n):
@@ -341,10 +368,23 @@ def _identity_order(device, n):
 
 
 def _dummy(device, dtype=torch.float32):
+    """A small zeroed tensor for pointer arguments a launch does not use (never written)."""
     key = (str(device), dtype)
     if key not in _DUMMY:
         _DUMMY[key] = torch.zeros(4, device=device, dtype=dtype)
     return _DUMMY[key]
+
+
+def default_error_record(device) -> torch.Tensor:
+    """The zeroed int32[6] error record (csrc/symm/symm.h ErrorRecord) used when no `err` is given.
+
+    Once a consumer wait has timed out on it, every later consumer call without `err`
+    on that device is poisoned (NaN) until it is zeroed again, as the process's record is.
+    """
+    key = str(torch.device(device))
+    if key not in _ERR:
+        _ERR[key] = torch.zeros(6, device=device, dtype=torch.int32)
+    return _ERR[key]
 
 
 def persistent_matmul(
@@ -369,6 +409,8 @@ def persistent_matmul(
     num_sms: Optional[int] = None,
     scatter_to: Optional[Sequence[torch.Tensor]] = None,
     kernel: str = "auto",
+    result_scale: Optional[torch.Tensor] = None,
+    tag: int = -1,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -376,16 +418,24 @@ def persistent_matmul(
         A: [M, K], row-major (stride(1) == 1 or any strides), bf16/fp16/fp32/fp8.
         Bs: each [K, N_i], same dtype as A, any strides (FP8: column-major).
         outs: optional preallocated [M, N_i] contiguous outputs.
-        out_dtype: output dtype (default A's dtype; FP8 inputs default to bf16).
+        out_dtype: output dtype (default A's dtype; FP8 inputs default to bf16); bf16, fp16,
+            fp32, float8_e4m3fn or float8_e5m2. FP8 outputs are rounded (and saturated or
+            overflowed) as torch._scaled_mm does on the same device (epilogue.py).
         A_scale: FP8 only; one element or [M] / [M, 1] float32 (row-wise).
         B_scales: FP8 only; per B one element or [N_i] / [1, N_i] float32.
         biases: per B None or [N_i].
         num_chunks, order, flags, counters, epoch, mode: see the module docstring.
-        err: int32 [6] error record the consumer wait fills on timeout.
+        err: int32 [6] error record (csrc/symm/symm.h ErrorRecord). A consumer wait that times
+            out fills it (failed, channel=-1, peer=chunk, expected=epoch, seen, tag); after each
+            chunk's wait the consumer reads err[0] and, if nonzero, stores NaN to that chunk's
+            tiles. Default: default_error_record(device). Unused in the other modes.
         scatter_to: up to 8 tensors, one per chunk; chunk c's [M // num_chunks, N]
             rows are stored to scatter_to[c] (contiguous) instead of outs (one B only).
         kernel: one of KERNELS; "auto" follows AUTO_KERNEL, the others are forced
             (a forced TMA kernel raises where it is not eligible).
+        result_scale: one-element float32, torch._scaled_mm's scale_result: applied to FP8
+            outputs only (ignored for the others, as torch does), to every B of the call.
+        tag: the op's tag (mptp_kernels.symm.register_tag) a timed-out consumer wait records.
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -403,6 +453,7 @@ def persistent_matmul(
         outs = [scatter_to[0]]
     if outs is None:
         outs = [torch.empty(M, n, device=dev, dtype=out_dtype) for n in Ns]
+    out_dtype = outs[0].dtype  # preallocated outputs decide (all of one dtype)
     cfg = config or pick_config(A.dtype, M, Ns, K)
     sms = num_sms or (_num_sms(dev.index or 0) if dev.type == "cuda" else 4)
     if order is None:
@@ -410,7 +461,14 @@ def persistent_matmul(
     dummy_i = _dummy(dev, torch.int32)
     flags = flags if flags is not None else dummy_i
     counters = counters if counters is not None else dummy_i
-    err = err if err is not None else _dummy(dev, torch.int32)
+    if err is None:
+        err = default_error_record(dev)
+    else:
+        assert err.dtype == torch.int32 and err.numel() >= 6, "err must be an int32[6] error record"
+    if result_scale is not None:
+        assert result_scale.numel() == 1 and result_scale.dtype == torch.float32, "result_scale: one float32"
+        result_scale = result_scale.reshape(1)
+    fp8_out = epilogue.fp8_out_constexprs(dev, out_dtype, result_scale is not None)
     a_mode = 0 if A_scale is None else (1 if A_scale.numel() == 1 else 2)
     b_mode = 0
     if B_scales is not None:
@@ -431,7 +489,8 @@ def persistent_matmul(
                          "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
     if kernel != "pointer":
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
-                B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat")
+                B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
+                result_scale if result_scale is not None else _dummy(dev), tag, fp8_out)
         if not auto:
             return _launch_tma(*args)
         try:
@@ -460,15 +519,16 @@ def persistent_matmul(
         _persistent_matmul_kernel[grid](
             A, *Bp, *Cp, *biasp, *Sp,
             A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
+            result_scale if result_scale is not None else _dummy(dev),
             *(list(scatter_to) + [scatter_to[0]] * (8 - len(scatter_to)) if scatter_to is not None
               else [gC[0]] * 8),
             *Np,
             Bp[0].stride(0), Bp[0].stride(1), Bp[1].stride(0), Bp[1].stride(1),
             Bp[2].stride(0), Bp[2].stride(1),
             M, K, A.stride(0), A.stride(1),
-            order, flags, counters, epoch, int(timeout_s * 1e9), err,
+            order, flags, counters, epoch, int(timeout_s * 1e9), err, tag,
             NUM_CHUNKS=num_chunks, NUM_B=nb, MODE=mode, HAS_BIAS=has_bias,
-            A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum,
+            A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum,
             INPUT_PRECISION=precision, SCATTER=scatter_to is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -478,7 +538,7 @@ def persistent_matmul(
 
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
-                biases, a_mode, b_mode, fast_accum, flatten):
+                biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = A.shape
@@ -495,9 +555,10 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
         B_scales[0].reshape(-1) if B_scales is not None else _dummy(dev),
         biases[0] if biases is not None else _dummy(dev),
-        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err,
+        result_scale,
+        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag,
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
-        B_SCALE_MODE=b_mode, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten,
+        B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -18,7 +18,8 @@ another kernel of the same GPU (which might not be resident) would write.
 
 Pseudo-code:
     producer:  store tile ...; signal_release(flag, epoch)
-    consumer:  wait_acquire(flag, epoch, timeout, err, tag); load tile ...
+    consumer:  wait_acquire(flag, epoch, timeout, err, peer, tag)
+               if load(err[0]) != 0: poison tile else: load tile ...
 """
 
 import triton
@@ -38,12 +39,17 @@ def signal_release(ptr, value):
 
 
 @triton.jit
-def wait_acquire(ptr, value, timeout_ns, err_ptr, tag):
+def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag):
     """Spins (acquire, system scope) until *ptr >= value, at most timeout_ns.
 
-    On timeout the first timed-out waiter of the process fills the int32 error
-    record at err_ptr (failed, channel=-1, peer=tag, expected, seen) and every
-    waiter returns; the host raises from it (mptp_kernels.symm.check_errors).
+    On timeout the first timed-out waiter of the process fills the int32[6]
+    error record at err_ptr (csrc/symm/symm.h ErrorRecord: failed=1,
+    channel=-1 (a chunk flag), peer, expected=value, seen, tag = the op's tag)
+    and every waiter returns; the host raises from it
+    (mptp_kernels.symm.check_errors). A wait that finds the record already
+    failed gives up at once, as the C++ wait kernel does, so one dead peer costs
+    one timeout, not one per chunk. It returns nothing: callers that must not
+    consume what the flag guards load err_ptr[0] after it (nonzero: poison).
     """
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if seen < value:
@@ -51,10 +57,14 @@ def wait_acquire(ptr, value, timeout_ns, err_ptr, tag):
         while seen < value:
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             if seen < value:
-                if globaltimer() - start > timeout_ns:
+                if tl.load(err_ptr, volatile=True) != 0:
+                    seen = value  # an earlier wait of this process failed
+                elif globaltimer() - start > timeout_ns:
                     if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
                         tl.store(err_ptr + 1, -1)
-                        tl.store(err_ptr + 2, tag)
+                        tl.store(err_ptr + 2, peer)
                         tl.store(err_ptr + 3, value)
                         tl.store(err_ptr + 4, seen)
+                        # Release: the fields above are visible before the tag.
+                        tl.atomic_xchg(err_ptr + 5, tag, sem="release", scope="sys")
                     seen = value

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from utils import assert_matmul_close, randn
+from utils import assert_matmul_close, randn, rel_err
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -233,7 +233,7 @@ def test_reduce_partials_fixed_order(dtype):
 @triton.jit
 def _sync_kernel(flags, err, out):
     signal_release(flags + 0, 7)
-    wait_acquire(flags + 1, 3, 1_000_000_000, err, 1)
+    wait_acquire(flags + 1, 3, 1_000_000_000, err, 1, 5)
     tl.store(out, tl.load(flags + 0))
 
 
@@ -243,4 +243,339 @@ def test_triton_sync_helpers_signal_then_wait():
     err = torch.zeros(6, dtype=torch.int32, device=DEV)
     out = torch.zeros(1, dtype=torch.int32, device=DEV)
     _sync_kernel[(1,)](flags, err, out)
-    assert flags.tolist() == [7, 3] and out.item() == 7 and err[0].item() == 0
+    assert flags.tolist() == [7, 3] and out.item() == 7 and err.tolist() == [0] * 6
+
+
+# -- poison after a failed wait (issue 12) ----------------------------------------------------------
+
+FP8_OUTS = [torch.float8_e4m3fn, torch.float8_e5m2]
+KERNELS_ALL = ["pointer", *TMA_KERNELS]
+
+
+def _err(failed):
+    err = torch.zeros(6, dtype=torch.int32, device=DEV)
+    err[0] = failed
+    return err
+
+
+def _assert_fp8_close(C, ref64, what="output"):
+    """An FP8 output against float64: at most half an FP8 ulp of rounding (plus the subnormal step)."""
+    assert not torch.isnan(C.float()).any(), f"{what}: NaN"
+    rtol = torch.finfo(C.dtype).eps * 0.51
+    torch.testing.assert_close(C.float().cpu(), ref64.float(), rtol=rtol, atol=torch.finfo(C.dtype).smallest_normal)
+
+
+def test_default_error_record_is_a_zeroed_int32_6():
+    err = pm.default_error_record(DEV)
+    assert err.dtype == torch.int32 and tuple(err.shape) == (6,) and err.tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, torch.float16), (FP8, torch.float32),
+                                             (FP8, torch.float8_e4m3fn), (FP8, torch.float8_e5m2)], ids=str)
+@pytest.mark.parametrize("failed", [0, 1])
+def test_consumer_poisons_after_a_failed_wait(kernel, dtype, out_dtype, failed):
+    """err[0] != 0 after a chunk's wait: that chunk's tiles are NaN (FP8: its NaN); 0: the product."""
+    W, M, K, N = 3, 96, 64, 48
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    order = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEV)
+    flags = torch.full((W,), 2, dtype=torch.int32, device=DEV)  # pre-set: the waits pass at once
+    fill = 0.0 if failed else float("nan")  # the kernel must write every element either way
+    C0 = torch.full((M, N), fill, device=DEV).to(out_dtype)
+    (C,) = pm.persistent_matmul(A, [B], outs=[C0], num_chunks=W, order=order, flags=flags, epoch=2,
+                                mode=pm.MODE_CONSUMER, err=_err(failed), tag=3, kernel=kernel)  # fmt: skip
+    if failed:
+        assert torch.isnan(C.float()).all(), f"{(~torch.isnan(C.float())).sum()} elements not poisoned"
+        return
+    ref = A.double().cpu() @ B.double().cpu()
+    if out_dtype in FP8_OUTS:
+        _assert_fp8_close(C, ref)
+    else:
+        assert_matmul_close(C, ref, (A.float() @ B.float()).to(out_dtype), k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+def test_plain_mode_ignores_the_error_record(kernel):
+    """The plain matmul never reads err: a failed record does not touch it."""
+    A, (B,) = _inputs(64, 32, (48,), torch.float16, SEED)
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(64, (48,), torch.float16), err=_err(1), kernel=kernel)
+    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("failed", [None, 0, 1])
+def test_reduce_partials_poisons_after_a_failed_wait(failed):
+    from mptp_kernels.kernels.reduce import reduce_partials
+
+    P = randn((3, 37, 29), SEED).to(DEV, torch.float16)
+    out = torch.full((37, 29), 0.0 if failed else float("nan"), device=DEV, dtype=torch.float16)
+    reduce_partials(P, out, scale=0.5, err=None if failed is None else _err(failed))
+    if failed:
+        assert torch.isnan(out).all()
+    else:
+        ref = P.double().cpu().sum(0) * 0.5
+        assert_matmul_close(out, ref, ref.half(), k=2.0, atol=1e-6)
+
+
+@pytest.mark.skipif(CUDA, reason="torch's CPU FP8 cast; on the GPU the kernel casts as CUDA _scaled_mm does")
+@pytest.mark.parametrize("out_dtype", FP8_OUTS, ids=str)
+def test_reduce_partials_fp8_out_rounds_as_torch(out_dtype):
+    from mptp_kernels.kernels.reduce import reduce_partials
+
+    g = torch.Generator().manual_seed(SEED)
+    P = (torch.randint(-4096, 4097, (3, 64, 33), generator=g).float() / 8).half()  # sums exact in fp32
+    out = torch.empty(64, 33, dtype=out_dtype)
+    reduce_partials(P, out, scale=0.5)
+    ref = (P.float().sum(0) * 0.5).to(out_dtype)  # e4m3fn saturates, e5m2 overflows to inf
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
+# -- FP8 outputs with a result scale (issue 17) -----------------------------------------------------
+
+
+def _grid_fp8(shape, seed):
+    """FP8 values k / 4 with |k| <= 16: exact in e4m3, and every product and every sum of up to
+    65536 of them is exact in fp32, so the accumulation order cannot change a bit."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-16, 17, shape, generator=g).float() / 4).to(FP8)
+
+
+def _scaled_mm_cpu(A, B, sa, sb, bias, rs, out_dtype):
+    """torch._scaled_mm on the CPU, its emulated (reference) path: oneDNN, which an AMX CPU would
+    otherwise pick, rounds through a 16-bit type and writes NaN on overflow."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch._scaled_mm(A.cpu(), B.cpu(), sa.cpu(), sb.cpu(), bias=None if bias is None else bias.cpu(),
+                                scale_result=None if rs is None else rs.cpu(), out_dtype=out_dtype)  # fmt: skip
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+def _fp8_case(kernel, out_dtype, rs_case, M=96, K=64, Ns=(48, 24), bias_dtype=torch.float16):
+    """Inputs and the result scale: "none", "0.37" (in range) or "overflow" (many outputs past the max)."""
+    Ns = Ns[:1] if kernel != "pointer" else Ns
+    A = _grid_fp8((M, K), SEED).to(DEV)
+    Bs = [_grid_fp8((n, K), SEED + 1 + i).to(DEV).t() for i, n in enumerate(Ns)]  # K-major
+    sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)  # powers of 2: exact
+    rs = {"none": None, "0.37": 0.37, "overflow": 1 / 16 if out_dtype == torch.float8_e4m3fn else 2.0**-11}[rs_case]
+    rs = None if rs is None else torch.tensor(rs, device=DEV)
+    biases = [randn((n,), SEED + 20 + i, scale=4.0).to(DEV, bias_dtype) for i, n in enumerate(Ns)]
+    return A, Bs, sa, sb, rs, biases
+
+
+def _fp8_ordered(x):
+    """FP8 bit patterns as integers ordered like the values (adjacent values differ by 1)."""
+    b = x.view(torch.uint8).to(torch.int32).cpu()
+    return torch.where(b >= 0x80, -(b & 0x7F), b & 0x7F)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU semantics; test_fp8_out_matches_scaled_mm_cuda checks the GPU's")
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+@pytest.mark.parametrize("out_dtype", FP8_OUTS, ids=str)
+@pytest.mark.parametrize("rs_case,with_bias", [("none", False), ("0.37", True), ("overflow", True)])
+def test_fp8_out_matches_scaled_mm_cpu(kernel, out_dtype, rs_case, with_bias):
+    """Bitwise equal to CPU torch._scaled_mm: products and sums are exact (grid inputs, power-of-2
+    scales), and the epilogue does the same fp32 operations in the same order."""
+    A, Bs, sa, sb, rs, biases = _fp8_case(kernel, out_dtype, rs_case)
+    outs = pm.persistent_matmul(A, Bs, out_dtype=out_dtype, A_scale=sa, B_scales=[sb] * len(Bs),
+                                biases=biases if with_bias else None, result_scale=rs, kernel=kernel)  # fmt: skip
+    for i, (B, C) in enumerate(zip(Bs, outs)):
+        ref = _scaled_mm_cpu(A, B, sa, sb, biases[i] if with_bias else None, rs, out_dtype)
+        assert C.dtype == out_dtype
+        if rs_case == "overflow":  # the case must exercise saturation / infinities
+            assert (ref.float().abs() >= torch.finfo(out_dtype).max).float().mean() > 0.05
+        diff = (C.view(torch.uint8).cpu() != ref.view(torch.uint8)).sum().item()
+        assert diff == 0, f"B{i}: {diff} of {C.numel()} elements differ from torch._scaled_mm"
+
+
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+@pytest.mark.parametrize("out_dtype", FP8_OUTS, ids=str)
+def test_fp8_out_rowwise_within_one_ulp(kernel, out_dtype):
+    """Row-wise scales (no CPU _scaled_mm to compare with): within 1 FP8 ulp of the float64 result,
+    since the kernel rounds acc * a_scale * b_scale + bias in fp32 (each step can move a value
+    that sits within an fp32 ulp of an FP8 rounding midpoint to the other side)."""
+    A, Bs, _, _, rs, biases = _fp8_case(kernel, out_dtype, "0.37", bias_dtype=torch.float32)
+    M = A.shape[0]
+    sa = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
+    sbs = [(randn((1, B.shape[1]), SEED + 8 + i).abs() + 0.5).to(DEV) for i, B in enumerate(Bs)]
+    outs = pm.persistent_matmul(A, Bs, out_dtype=out_dtype, A_scale=sa, B_scales=sbs, biases=biases,
+                                result_scale=rs, kernel=kernel)  # fmt: skip
+    sem = pm.epilogue.SCALED_MM_FP8_OUT["cuda" if CUDA else "cpu"]
+    factor = 1 / 0.37 if sem["result_scale"] == "reciprocal" else 0.37
+    for i, (B, C) in enumerate(zip(Bs, outs)):
+        ref64 = ((A.double() * sa.double()) @ (B.double() * sbs[i].double()) + biases[i].double()) * factor
+        ref = ref64.float().cpu().to(out_dtype)  # the values stay in range: no overflow rule involved
+        ulps = (_fp8_ordered(C) - _fp8_ordered(ref)).abs()
+        assert ulps.max().item() <= 1, f"B{i}: {ulps.max().item()} FP8 ulps from the float64 result"
+
+
+# -- GPU only: int64 indexing at M * N = 2**32, timeouts, CUDA _scaled_mm semantics ------------------
+
+BIG = 2**31
+
+
+def _rows_ref(A, B, rows):
+    return A[rows].double() @ B.double()
+
+
+def _assert_rows(C, A, B, rows, what):
+    """Sampled rows of a bf16 product against float64 (K = 64: bf16 output rounding dominates)."""
+    got = C[rows].double()
+    ref = _rows_ref(A, B, rows)
+    assert not torch.isnan(got).any(), f"{what}: NaN in rows {rows}"
+    e = rel_err(got, ref)
+    assert e < 1e-2, f"{what}: rel err {e:.3e} on rows {rows}"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (16 GB)")
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+@pytest.mark.parametrize("mode", ["plain", "consumer"])
+def test_int64_output_of_2_pow_32_elements(kernel, mode):
+    """M * N = 2**32 bf16 outputs (8 GiB): row * N passes 2**31 at row 32768."""
+    M = N = 65536
+    K, W = 64, 4
+    A = randn((M, K), SEED, device=DEV).bfloat16()
+    B = randn((K, N), SEED + 1, scale=K**-0.5, device=DEV).bfloat16()
+    C = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    kw = {}
+    if mode == "consumer":
+        kw = dict(num_chunks=W, order=torch.tensor([1, 2, 3, 0], dtype=torch.int32, device=DEV),
+                  flags=torch.ones(W, dtype=torch.int32, device=DEV), epoch=1, mode=pm.MODE_CONSUMER)  # fmt: skip
+    pm.persistent_matmul(A, [B], outs=[C], kernel=kernel, **kw)
+    torch.cuda.synchronize()
+    boundary = BIG // N
+    _assert_rows(C, A, B, [0, 1, boundary - 1, boundary, boundary + 1, M // W * 3, M - 2, M - 1], f"{kernel} {mode}")
+    assert not torch.isnan(C[:, -1]).any() and not torch.isnan(C[-1]).any()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (10 GB)")
+def test_int64_scatter_to_destinations_past_2_pow_31():
+    """Each scatter destination holds 36864 x 65536 > 2**31 elements."""
+    W, Mc, N, K = 2, 36864, 65536, 64
+    A = randn((W * Mc, K), SEED, device=DEV).bfloat16()
+    B = randn((K, N), SEED + 1, scale=K**-0.5, device=DEV).bfloat16()
+    buf = torch.full((W, Mc, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[buf[0], buf[1]])
+    torch.cuda.synchronize()
+    boundary = BIG // N
+    for c in range(W):
+        rows = [0, boundary - 1, boundary, Mc - 1]
+        got = buf[c][rows].double()
+        ref = _rows_ref(A, B, [c * Mc + r for r in rows])
+        assert not torch.isnan(got).any() and rel_err(got, ref) < 1e-2, f"destination {c}"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (5 GB)")
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_int64_a_rows_past_2_pow_31_elements(kernel):
+    """A has M * K > 2**31 elements: row * stride_am passes 2**31 at row 2**21."""
+    M, K, N = 2**21 + 96, 1024, 128
+    A = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    B = randn((K, N), SEED + 1, scale=K**-0.5, device=DEV).bfloat16()
+    (C,) = pm.persistent_matmul(A, [B], kernel=kernel)
+    torch.cuda.synchronize()
+    _assert_rows(C, A, B, [0, 2**21 - 1, 2**21, 2**21 + 1, M - 1], kernel)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (3 GB)")
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_int64_k_major_fp8_b_past_2_pow_31_elements(kernel):
+    """A K-major FP8 B with N * K > 2**31: column * K passes 2**31 at column 65536."""
+    M, K, N = 128, 32768, 65536 + 256
+    A = (torch.randn(M, K, device=DEV) * 0.5).to(FP8)
+    B = (torch.randn(N, K, device=DEV) * 0.5).to(FP8).t()
+    one = torch.tensor(1.0, device=DEV)
+    (C,) = pm.persistent_matmul(A, [B], A_scale=one, B_scales=[one], kernel=kernel)
+    torch.cuda.synchronize()
+    cols = [0, 65535, 65536, 65537, N - 1]
+    ref = A.double() @ B[:, cols].double()
+    got = C[:, cols].double()
+    assert not torch.isnan(got).any() and rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (9 GB)")
+def test_int64_reduce_partials_past_2_pow_31():
+    """W * numel > 2**31: p * numel passes 2**31 for p = 2."""
+    from mptp_kernels.kernels.reduce import reduce_partials
+
+    W, numel = 3, 2**30 + 4096
+    P = torch.randn(W, numel, device=DEV, dtype=torch.bfloat16)
+    out = torch.full((numel,), float("nan"), device=DEV, dtype=torch.bfloat16)
+    reduce_partials(P, out)
+    torch.cuda.synchronize()
+    idx = torch.tensor([0, 1, 2**29, 2**30 - 1, 2**30, numel - 2, numel - 1], device=DEV)
+    ref = P[:, idx].double().sum(0)
+    torch.testing.assert_close(out[idx].double(), ref.bfloat16().double(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: a flag that is never set, and globaltimer")
+@pytest.mark.parametrize("kernel", KERNELS_ALL)
+def test_consumer_timeout_fills_the_error_record_and_poisons(kernel):
+    """Chunk 2's flag is never set: after timeout_s the record reads (failed, channel -1, peer 2,
+    expected epoch, seen 0, tag); chunks 0 and 1 are right, chunks 2 and 3 NaN (every program has
+    tiles in every chunk, so each one's chunk-3 check runs after the failure)."""
+    import time
+
+    W, M, K, N, epoch, tag = 4, 4096, 256, 8192, 3, 11
+    A, (B,) = _inputs(M, K, (N,), torch.bfloat16, SEED)
+    flags = torch.full((W,), epoch, dtype=torch.int32, device=DEV)
+    err = torch.zeros(6, dtype=torch.int32, device=DEV)
+    order = torch.arange(W, dtype=torch.int32, device=DEV)
+    # Warm-up with every flag set (compiles; the elapsed times below must not include it).
+    (C,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, flags=flags, epoch=epoch, mode=pm.MODE_CONSUMER,
+                                timeout_s=0.5, err=err, tag=tag, kernel=kernel)  # fmt: skip
+    torch.cuda.synchronize()
+    assert err.tolist() == [0] * 6 and not torch.isnan(C.float()).any()
+    flags[2] = 0
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    (C,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, flags=flags, epoch=epoch, mode=pm.MODE_CONSUMER,
+                                timeout_s=0.5, err=err, tag=tag, kernel=kernel)  # fmt: skip
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - t0
+    assert err.tolist() == [1, -1, 2, epoch, 0, tag]
+    assert elapsed < 5.0, f"{elapsed:.1f} s: waits should give up once the record has failed"
+    Mc = M // W
+    ref = A.double() @ B.double()
+    assert_matmul_close(C[: 2 * Mc], ref[: 2 * Mc], (A.float() @ B.float()).bfloat16()[: 2 * Mc], k=2.0, atol=1e-5)
+    assert torch.isnan(C[2 * Mc :].float()).all()
+    # A record that has already failed: the next call's waits give up at once, all poisoned.
+    t0 = time.monotonic()
+    (C,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, flags=flags, epoch=epoch, mode=pm.MODE_CONSUMER,
+                                timeout_s=30.0, err=err, tag=tag, kernel=kernel)  # fmt: skip
+    torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 5.0 and torch.isnan(C.float()).all()
+    assert err.tolist() == [1, -1, 2, epoch, 0, tag]  # the first failure's record is kept
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA semantics of torch._scaled_mm (cuBLASLt)")
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+@pytest.mark.parametrize("out_dtype", FP8_OUTS, ids=str)
+@pytest.mark.parametrize("rs_case", ["none", "0.37", "overflow"])
+def test_fp8_out_matches_scaled_mm_cuda(kernel, out_dtype, rs_case):
+    """Against CUDA torch._scaled_mm: bitwise expected (exact products and sums; cuBLASLt's
+    epilogue order may differ, so up to 1 FP8 ulp is allowed where neither side overflowed).
+    On a mismatch the message says which entry of epilogue.SCALED_MM_FP8_OUT["cuda"] torch follows."""
+    A, Bs, sa, sb, rs, biases = _fp8_case(kernel, out_dtype, rs_case, M=256, K=128, Ns=(192,),
+                                          bias_dtype=torch.bfloat16)  # fmt: skip
+    B, bias = Bs[0], biases[0]
+    (C,) = pm.persistent_matmul(A, [B], out_dtype=out_dtype, A_scale=sa, B_scales=[sb], biases=[bias],
+                                result_scale=rs, kernel=kernel)  # fmt: skip
+    ref = torch._scaled_mm(A, B, sa, sb, bias=bias, scale_result=rs, out_dtype=out_dtype)
+    y = (A.float() @ B.float()) * sa * sb + bias.float()
+    if rs is not None:
+        mult, recip = (y * rs).to(out_dtype), (y * (1 / rs)).to(out_dtype)
+        how = "multiply" if torch.equal(ref.float(), mult.float()) else (
+            "reciprocal" if torch.equal(ref.float(), recip.float()) else "neither")
+        sem = pm.epilogue.SCALED_MM_FP8_OUT["cuda"]["result_scale"]
+        assert how in (sem, "neither"), f"CUDA _scaled_mm's result scale is {how!r}, the table says {sem!r}"
+    fmax = torch.finfo(out_dtype).max
+    r, c = ref.float(), C.float()
+    assert torch.equal(r.isinf(), c.isinf()) and torch.equal(r.isnan(), c.isnan()), (
+        f"overflow differs: torch has {r.isinf().sum()} inf / {r.isnan().sum()} NaN, we have "
+        f"{c.isinf().sum()} / {c.isnan().sum()} (epilogue.SCALED_MM_FP8_OUT['cuda']['e5m2_overflow'])")
+    assert torch.equal(r.abs() == fmax, c.abs() == fmax), "saturation differs"
+    finite = r.isfinite()
+    ulps = (_fp8_ordered(C) - _fp8_ordered(ref)).abs()[finite.cpu()]
+    assert ulps.max().item() <= 1, f"{ulps.max().item()} FP8 ulps from torch._scaled_mm"
