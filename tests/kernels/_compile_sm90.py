@@ -1,0 +1,91 @@
+"""Compiles every kernel variant for sm_90 without a GPU; prints one JSON line per launch.
+
+Run by test_compile_sm90.py in a subprocess with TRITON_INTERPRET=0: the launches of
+persistent_matmul / reduce_partials are captured with CPU tensors (instead of running) and
+compiled with triton.compile(target=cuda sm_90), so the GPU-only paths (hardware FP8 casts,
+globaltimer, tensor descriptors) are type-checked on machines without a GPU.
+"""
+
+import json
+import os
+import re
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+except ImportError as e:  # another Triton layout: nothing to check here
+    print("SKIP", e)
+    sys.exit(0)
+
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.kernels import reduce as rd  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+captured = []
+
+
+class _Capture:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: captured.append((self.fn, args, kwargs))
+
+
+def _compile(fn, args, kwargs):
+    kw = dict(kwargs)
+    options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    bound = dict(zip(fn.arg_names, args))
+    bound.update(kw)
+    constexprs = {n: bound[n] for n in fn.arg_names if n in kw}
+    signature = {n: "constexpr" if n in constexprs else mangle_type(bound[n]) for n in fn.arg_names}
+    src = triton.compiler.ASTSource(fn, signature, constexprs)
+    return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+
+
+def main():
+    pm._persistent_matmul_kernel = _Capture(pm._persistent_matmul_kernel)
+    pm._persistent_matmul_tma_kernel = _Capture(pm._persistent_matmul_tma_kernel)
+    rd._reduce_partials_kernel = _Capture(rd._reduce_partials_kernel)
+    fp8 = torch.float8_e4m3fn
+    cfg = pm.Config(32, 32, 32, 4, 4, 2)
+    M, K, N = 256, 128, 192
+    A16, B16 = torch.randn(M, K).half(), torch.randn(K, N).half()
+    A8, B8 = torch.randn(M, K).to(fp8), torch.randn(N, K).to(fp8).t()
+    one, flags = torch.tensor(1.0), torch.ones(4, dtype=torch.int32)
+    consumer = dict(num_chunks=4, flags=flags, mode=pm.MODE_CONSUMER)
+    for kernel in ("pointer", "tma"):
+        pm.persistent_matmul(A16, [B16], config=cfg, kernel=kernel)
+        pm.persistent_matmul(A16, [B16], config=cfg, kernel=kernel, **consumer)
+        pm.persistent_matmul(A8, [B8], config=cfg, kernel=kernel, A_scale=one, B_scales=[one],
+                             biases=[torch.randn(N).bfloat16()], out_dtype=torch.float8_e5m2,
+                             result_scale=one, **consumer)  # fmt: skip
+        pm.persistent_matmul(A8, [B8], config=cfg, kernel=kernel, A_scale=torch.ones(M), B_scales=[torch.ones(N)],
+                             out_dtype=fp8, result_scale=one)  # fmt: skip
+    pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, scatter_to=[torch.empty(M // 2, N).half()] * 2)
+    pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, flags=torch.zeros(2, dtype=torch.int32),
+                         counters=torch.zeros(2, dtype=torch.int32), mode=pm.MODE_PRODUCER)  # fmt: skip
+    err = torch.zeros(6, dtype=torch.int32)
+    rd.reduce_partials(torch.randn(3, 1000).half(), torch.empty(1000, dtype=torch.float8_e5m2), err=err)
+    rd.reduce_partials(torch.randn(3, 1000).half(), torch.empty(1000).half())
+    for fn, args, kwargs in captured:
+        ptx = _compile(fn, args, kwargs)
+        row = {
+            "kernel": fn.__name__,
+            "mode": kwargs.get("MODE"),
+            "has_err": kwargs.get("HAS_ERR"),
+            "volatile_loads": len(re.findall(r"ld\.volatile", ptx)),
+            "globaltimer": "globaltimer" in ptx,
+            "fp8_casts": sorted(set(re.findall(r"cvt\.rn\.satfinite\.(\w+)\.f32", ptx))),
+        }
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
