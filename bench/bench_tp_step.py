@@ -40,7 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_rows, env_columns  # noqa: E402
 
 import mptp_kernels  # noqa: E402
-from mptp_kernels.tp import ColumnParallelLinear, FusedColwiseParallel, FusedRowwiseParallel, RowParallelLinear  # noqa: E402
+from mptp_kernels.tp import (
+    ColumnParallelLinear,
+    FusedColwiseParallel,
+    FusedRowwiseParallel,
+    RowParallelLinear,
+)  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -67,7 +72,11 @@ def build(provider, full, mesh):
     import copy
 
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     m = copy.deepcopy(full)
     if provider == "plain":
@@ -75,8 +84,16 @@ def build(provider, full, mesh):
         return MLP(ColumnParallelLinear.from_linear(m.gate, group=g, gather_dim=1),
                    ColumnParallelLinear.from_linear(m.up, group=g, gather_dim=1),
                    RowParallelLinear.from_linear(m.down, group=g, scatter_dim=1))  # fmt: skip
-    col, row = (ColwiseParallel, RowwiseParallel) if provider == "dtensor" else (FusedColwiseParallel, FusedRowwiseParallel)
-    plan = {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)), "down": row(output_layouts=Shard(1))}
+    col, row = (
+        (ColwiseParallel, RowwiseParallel)
+        if provider == "dtensor"
+        else (FusedColwiseParallel, FusedRowwiseParallel)
+    )
+    plan = {
+        "gate": col(input_layouts=Shard(1)),
+        "up": col(input_layouts=Shard(1)),
+        "down": row(output_layouts=Shard(1)),
+    }
     return parallelize_module(m, mesh, plan, src_data_rank=None)  # every rank has the full weights
 
 
@@ -142,7 +159,9 @@ def main():
     p.add_argument("--hidden", type=int, default=28672, help="the full model's hidden size")
     p.add_argument("--tp", type=int, default=8, help="each rank holds hidden / tp columns")
     p.add_argument("--providers", default="fused_styles,plain,unfused_styles,dtensor")
-    p.add_argument("--compile", action="store_true", help="also time torch.compile'd fused_styles and dtensor")
+    p.add_argument(
+        "--compile", action="store_true", help="also time torch.compile'd fused_styles and dtensor"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-write", action="store_true")
@@ -162,18 +181,25 @@ def main():
     if cuda:
         mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
     if a.tokens % W or a.hidden % a.tp:
-        raise SystemExit(f"--tokens {a.tokens} must divide by W={W} and --hidden {a.hidden} by --tp {a.tp}")
+        raise SystemExit(
+            f"--tokens {a.tokens} must divide by W={W} and --hidden {a.hidden} by --tp {a.tp}"
+        )
     h_local = a.hidden // a.tp
     full = full_mlp(a.dim, h_local * W, device, dtype)
     g = torch.Generator(device=device).manual_seed(7 + rank)
-    x = torch.randn(1, a.tokens // W, a.dim, device=device, dtype=dtype, generator=g).requires_grad_()
+    x = torch.randn(
+        1, a.tokens // W, a.dim, device=device, dtype=dtype, generator=g
+    ).requires_grad_()
     gy = torch.randn(1, a.tokens // W, a.dim, device=device, dtype=dtype, generator=g)
 
     providers = [s for s in a.providers.split(",") if s]
     if "dtensor" in providers and cuda and not own_gpu:
         providers.remove("dtensor")
         if rank == 0:
-            print("dtensor: skipped (ranks share a GPU: gloo cannot all-gather CUDA tensors)", flush=True)
+            print(
+                "dtensor: skipped (ranks share a GPU: gloo cannot all-gather CUDA tensors)",
+                flush=True,
+            )
     cases = [(name, name, False) for name in providers]
     if a.compile:
         cases += [(f"{n}@compile", n, True) for n in ("fused_styles", "dtensor") if n in providers]
@@ -196,7 +222,9 @@ def main():
             err = ((g1.float() - g0.float()).norm() / g0.float().norm()).item()
             assert err < 3e-2, f"{label}: gradient {i} differs from {cases[0][0]}'s by {err:.2e}"
 
-    base = "dtensor" if "dtensor" in times else "unfused_styles" if "unfused_styles" in times else None
+    base = (
+        "dtensor" if "dtensor" in times else "unfused_styles" if "unfused_styles" in times else None
+    )
     flops = 3 * 3 * 2 * a.tokens * a.dim * h_local  # 3 matmuls, forward + 2x backward, per rank
     rows = []
     for label, us in times.items():

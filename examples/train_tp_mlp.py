@@ -112,7 +112,9 @@ def main():
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if a.styles == "dtensor" and cuda and not own_gpu:
-        raise SystemExit("--styles dtensor needs one GPU per process (NCCL): gloo does not all-gather CUDA tensors")
+        raise SystemExit(
+            "--styles dtensor needs one GPU per process (NCCL): gloo does not all-gather CUDA tensors"
+        )
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     seq, dim = a.seq or (2048 if cuda else 64), a.dim or (2048 if cuda else 64)
     hidden, lr = a.hidden or 4 * dim, a.lr or 1e-3

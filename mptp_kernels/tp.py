@@ -33,7 +33,12 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["ColumnParallelLinear", "FusedColwiseParallel", "FusedRowwiseParallel", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "FusedColwiseParallel",
+    "FusedRowwiseParallel",
+    "RowParallelLinear",
+]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +87,9 @@ def _colwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
     x = _local_input(x, cfg.mesh, cfg.input_layout, cfg.input_layout)
     w = _local(self.weight)  # [out_features / W, in_features]
-    _, (y,) = torch.ops.mptp.fused_all_gather_matmul(x, [w.t()], cfg.dim, cfg.group_name, return_A=False)
+    _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
+        x, [w.t()], cfg.dim, cfg.group_name, return_A=False
+    )
     if self.bias is not None:  # sharded like the output columns: a local add
         y = y + _local(self.bias)
     return _output(y, cfg.mesh, Shard(-1), None, cfg)
@@ -100,7 +107,9 @@ def _rowwise_forward(self: nn.Linear, x):
 
 def _check_mesh(style: str, mesh: DeviceMesh) -> str:
     if mesh.ndim != 1:
-        raise ValueError(f"{style}: expected a 1-D DeviceMesh (slice the TP dim), got {mesh.ndim}-D")
+        raise ValueError(
+            f"{style}: expected a 1-D DeviceMesh (slice the TP dim), got {mesh.ndim}-D"
+        )
     return mesh.get_group().group_name
 
 
@@ -225,7 +234,9 @@ class ColumnParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None, gather_dim: int = 0) -> "ColumnParallelLinear":
+    def from_linear(
+        cls, linear: nn.Linear, *, group=None, gather_dim: int = 0
+    ) -> "ColumnParallelLinear":
         """This rank's shard of a full nn.Linear (identical on every rank)."""
         m = cls(linear.in_features, linear.out_features, group=group, gather_dim=gather_dim,
                 bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip
@@ -277,7 +288,11 @@ class RowParallelLinear(nn.Module):
             )
         self.group_name, self.world_size, self.rank = _group(group)
         _check_divisible(type(self).__name__, "in_features", in_features, self.world_size)
-        self.in_features, self.out_features, self.scatter_dim = in_features, out_features, scatter_dim
+        self.in_features, self.out_features, self.scatter_dim = (
+            in_features,
+            out_features,
+            scatter_dim,
+        )
         k = in_features // self.world_size
         self.weight = nn.Parameter(torch.empty(out_features, k, device=device, dtype=dtype))
         self.reset_parameters()
@@ -288,7 +303,9 @@ class RowParallelLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None, scatter_dim: int = 0) -> "RowParallelLinear":
+    def from_linear(
+        cls, linear: nn.Linear, *, group=None, scatter_dim: int = 0
+    ) -> "RowParallelLinear":
         """This rank's shard of a full, bias-free nn.Linear (identical on every rank)."""
         m = cls(linear.in_features, linear.out_features, group=group, scatter_dim=scatter_dim,
                 bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip

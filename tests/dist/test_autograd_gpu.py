@@ -55,7 +55,9 @@ def _counts():
 
 def _delta(before, after):
     keys = set(before) | set(after)
-    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)
+    }
 
 
 # -- 1. op gradients ------------------------------------------------------------------------------
@@ -66,9 +68,15 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
     g = dist.group.WORLD.group_name
     K = shard_shape[-1]
     shards = [randn(shard_shape, seed + q) for q in range(W)]
-    Bs = [[randn((K, n), seed + 100 * (q + 1) + j, scale=K**-0.5) for j, n in enumerate(ns)] for q in range(W)]
+    Bs = [
+        [randn((K, n), seed + 100 * (q + 1) + j, scale=K**-0.5) for j, n in enumerate(ns)]
+        for q in range(W)
+    ]
     full_shape = list(torch.cat(shards, dim=gather_dim).shape)
-    G = [[randn(full_shape[:-1] + [n], seed + 7000 + 100 * q + j) for j, n in enumerate(ns)] for q in range(W)]
+    G = [
+        [randn(full_shape[:-1] + [n], seed + 7000 + 100 * q + j) for j, n in enumerate(ns)]
+        for q in range(W)
+    ]
 
     def oracle(dt, device):  # single process: L = sum_q sum_j <cat(shards) @ B_qj, G_qj>
         A = [s.to(device, dt).requires_grad_() for s in shards]
@@ -95,9 +103,13 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
         assert_matmul_close(b.grad, dB64[j], dB_eager[j], k=3.0, atol=1e-3, what=f"dBs[{j}]")
 
 
-@pytest.mark.parametrize("shard_shape,gather_dim,ns", [((256, 512), 0, (384,)), ((2, 96, 256), 1, (384, 128))])
+@pytest.mark.parametrize(
+    "shard_shape,gather_dim,ns", [((256, 512), 0, (384,)), ((2, 96, 256), 1, (384, 128))]
+)
 def test_all_gather_matmul_grads(workers, shard_shape, gather_dim, ns):
-    workers.run(_ag_grads, SEED, shard_shape, gather_dim, ns, torch.bfloat16, timeout_s=OP_TIMEOUT_S)
+    workers.run(
+        _ag_grads, SEED, shard_shape, gather_dim, ns, torch.bfloat16, timeout_s=OP_TIMEOUT_S
+    )
 
 
 def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
@@ -134,9 +146,13 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
     assert_matmul_close(B.grad, dB64, dB_eager, k=3.0, atol=1e-3, what="dB")
 
 
-@pytest.mark.parametrize("shape,scatter_dim,N,reduce_op", [((128, 512), 0, 384, "sum"), ((2, 64, 256), 1, 200, "avg")])
+@pytest.mark.parametrize(
+    "shape,scatter_dim,N,reduce_op", [((128, 512), 0, 384, "sum"), ((2, 64, 256), 1, 200, "avg")]
+)
 def test_matmul_reduce_scatter_grads(workers, shape, scatter_dim, N, reduce_op):
-    workers.run(_rs_grads, SEED, shape, scatter_dim, N, reduce_op, torch.bfloat16, timeout_s=OP_TIMEOUT_S)
+    workers.run(
+        _rs_grads, SEED, shape, scatter_dim, N, reduce_op, torch.bfloat16, timeout_s=OP_TIMEOUT_S
+    )
 
 
 # -- 2. training ----------------------------------------------------------------------------------
@@ -158,11 +174,19 @@ class MLP(nn.Module):
 def _tp(model, device, fused):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from mptp_kernels.tp import FusedColwiseParallel, FusedRowwiseParallel
 
-    col, row = (FusedColwiseParallel, FusedRowwiseParallel) if fused else (ColwiseParallel, RowwiseParallel)
+    col, row = (
+        (FusedColwiseParallel, FusedRowwiseParallel)
+        if fused
+        else (ColwiseParallel, RowwiseParallel)
+    )
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     for block in model:
         plan = {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
@@ -197,7 +221,9 @@ def _train(seed, compiled):
             c0 = _counts()
             y = m(xs.to(dev, dt))
             c1 = _counts()
-            loss = (y.float() - ts.to(dev)).square().sum() / target.numel()  # this rank's part of the mean
+            loss = (
+                y.float() - ts.to(dev)
+            ).square().sum() / target.numel()  # this rank's part of the mean
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             opts[name].step()
@@ -211,7 +237,10 @@ def _train(seed, compiled):
                 dist.all_reduce(total)
             losses[name].append(total.item())
     # forward: gate, up all-gather-matmuls + down matmul-reduce-scatter per block; backward the mirror
-    fwd, bwd = {(AG, "fused"): 2 * LAYERS, (RS, "fused"): LAYERS}, {(AG, "fused"): LAYERS, (RS, "fused"): 2 * LAYERS}
+    fwd, bwd = (
+        {(AG, "fused"): 2 * LAYERS, (RS, "fused"): LAYERS},
+        {(AG, "fused"): LAYERS, (RS, "fused"): 2 * LAYERS},
+    )
     for step, (f, b) in enumerate(paths):
         assert f == fwd and b == bwd, f"step {step}: forward paths {f}, backward paths {b}"
     return losses
@@ -220,10 +249,18 @@ def _train(seed, compiled):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_tp_mlp_training_tracks_dtensor(workers, compiled):
     losses = workers.run(_train, SEED, compiled, timeout_s=TRAIN_TIMEOUT_S)[0]
-    ref, bf16, fused = (torch.tensor(losses[k], dtype=torch.float64) for k in ("ref", "bf16", "fused"))
+    ref, bf16, fused = (
+        torch.tensor(losses[k], dtype=torch.float64) for k in ("ref", "bf16", "fused")
+    )
     d_bf16 = (bf16 - ref).abs().max().item()
     tol = 3 * d_bf16 + 2e-3 * ref
     err = (fused - ref).abs()
-    print(f"losses ref {ref.tolist()}\nfused {fused.tolist()}\nd_bf16 {d_bf16:.2e} max err {err.max().item():.2e}")
-    assert (err <= tol).all(), f"fused losses leave the tolerance at steps {torch.nonzero(err > tol).flatten().tolist()}"
-    assert ref[-4:].mean() < ref[:4].mean(), "the reference did not learn: the test is not testing training"
+    print(
+        f"losses ref {ref.tolist()}\nfused {fused.tolist()}\nd_bf16 {d_bf16:.2e} max err {err.max().item():.2e}"
+    )
+    assert (err <= tol).all(), (
+        f"fused losses leave the tolerance at steps {torch.nonzero(err > tol).flatten().tolist()}"
+    )
+    assert ref[-4:].mean() < ref[:4].mean(), (
+        "the reference did not learn: the test is not testing training"
+    )

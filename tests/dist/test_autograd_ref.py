@@ -137,7 +137,14 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, grad_A, grad_B):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
     "shape,scatter_dim,N",
-    [((6, 16), 0, 8), ((4, 16), 1, 12), ((6, 5, 16), 0, 8), ((2, 6, 16), 1, 8), ((2, 3, 8), 2, 12), ((2, 3, 8), -1, 6)],
+    [
+        ((6, 16), 0, 8),
+        ((4, 16), 1, 12),
+        ((6, 5, 16), 0, 8),
+        ((2, 6, 16), 1, 8),
+        ((2, 3, 8), 2, 12),
+        ((2, 3, 8), -1, 6),
+    ],
 )
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 def test_matmul_reduce_scatter_grads(request, world, shape, scatter_dim, N, reduce_op):
@@ -211,7 +218,11 @@ def _plan(kind, seq_dim):
 
     from mptp_kernels.tp import FusedColwiseParallel, FusedRowwiseParallel
 
-    col, row = (ColwiseParallel, RowwiseParallel) if kind == "dtensor" else (FusedColwiseParallel, FusedRowwiseParallel)
+    col, row = (
+        (ColwiseParallel, RowwiseParallel)
+        if kind == "dtensor"
+        else (FusedColwiseParallel, FusedRowwiseParallel)
+    )
     return {
         "gate": col(input_layouts=Shard(seq_dim)),
         "up": col(input_layouts=Shard(seq_dim)),
@@ -280,7 +291,9 @@ def _layers_vs_dtensor(seed, kind, x_shape, seq_dim, bias, compiled):
     g_ref, g = _grads(ref), _grads(model)
     for name, gr in g_ref.items():
         mine = g[name] if name in g else g["_orig_mod." + name]
-        if kind == "plain":  # local shards: compare with this rank's slice of DTensor's full gradient
+        if (
+            kind == "plain"
+        ):  # local shards: compare with this rank's slice of DTensor's full gradient
             W, r = dist.get_world_size(), dist.get_rank()
             gr = gr.chunk(W, dim=1 if name.startswith("down") else 0)[r]
         _close(mine, gr, f"grad of {name}")
@@ -289,7 +302,9 @@ def _layers_vs_dtensor(seed, kind, x_shape, seq_dim, bias, compiled):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("x_shape,seq_dim", [((12, 16), 0), ((2, 6, 16), 1), ((6, 2, 8), 0)])
 def test_fused_styles_vs_dtensor(request, world, x_shape, seq_dim):
-    request.getfixturevalue(f"workers{world}").run(_layers_vs_dtensor, SEED, "fused", x_shape, seq_dim, False, False)
+    request.getfixturevalue(f"workers{world}").run(
+        _layers_vs_dtensor, SEED, "fused", x_shape, seq_dim, False, False
+    )
 
 
 def test_fused_styles_bias(workers2):
@@ -313,7 +328,9 @@ def _train(seed, kind, steps):
         x = randn((2, 8, 16), seed + 10 + step % 2, dtype=F64)  # two batches, alternating
         target = torch.tanh(x.flip(-1))
         y = model(_shard(x, 1))
-        loss = (y - _shard(target, 1)).square().sum() / target.numel()  # this rank's part of the mean
+        loss = (
+            y - _shard(target, 1)
+        ).square().sum() / target.numel()  # this rank's part of the mean
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -63,7 +63,9 @@ def test_no_autograd_fallback_warning(pg1):
 
 def _flat_ag(gather_dim, return_A, g):
     def f(A, *Bs):
-        A_full, outs = torch.ops.mptp.fused_all_gather_matmul(A, list(Bs), gather_dim, g, return_A=return_A)
+        A_full, outs = torch.ops.mptp.fused_all_gather_matmul(
+            A, list(Bs), gather_dim, g, return_A=return_A
+        )
         return tuple(([A_full] if return_A else []) + outs)
 
     return f
