@@ -6,7 +6,7 @@ fused_scaled_matmul_reduce_scatter).
 """
 
 from . import _library  # noqa: F401  (registers torch.ops.mptp)
-from .compile import disable_micro_pipeline_tp, enable_micro_pipeline_tp
+from .compile import disable_micro_pipeline_tp, enable_micro_pipeline_tp, explain
 from .ops import (
     enable_symm_mem_for_group,
     fused_all_gather_matmul,
@@ -54,6 +54,7 @@ __all__ = [
     "disable_micro_pipeline_tp",
     "enable_micro_pipeline_tp",
     "enable_symm_mem_for_group",
+    "explain",
     "fused_all_gather_matmul",
     "fused_all_gather_scaled_matmul",
     "fused_matmul_reduce_scatter",

@@ -4,47 +4,124 @@
     with mptp_kernels.enable_micro_pipeline_tp():     # or for a block
         compiled = torch.compile(model)
     mptp_kernels.disable_micro_pipeline_tp()
+    mptp_kernels.explain(model, x)                    # per collective: fused or not, and why
 
 The pass is installed as torch._inductor.config.post_grad_custom_post_pass,
-chaining any pass already installed there. Its uuid hashes the pass's source,
-so the FX graph cache never serves a graph compiled without it (or with an
-older version of it). PyTorch's own async-TP pass (config._micro_pipeline_tp)
-is switched off while ours is on, so the two never rewrite the same graph;
-symm_mem.fused_* nodes that still reach us are retargeted to mptp.
+running whatever was installed there first (one pass, a list of passes, plain
+functions or CustomInferenceAwareGraphPass). PyTorch's own async-TP pass
+(config._micro_pipeline_tp) is switched off while ours is on, so the two never
+rewrite the same graph; symm_mem.fused_* nodes that still reach us are
+retargeted to mptp.
+
+FX graph cache: the uuid covers every pass that runs (the chained ones' uuids,
+the source of this package's pass and of the ops' fake impls it evaluates, and
+the groups enabled for symmetric memory, which decide what it fuses). When a
+chained pass has no stable uuid (a plain function, or a CustomGraphPass whose
+uuid() is falsy) our uuid is None, and Inductor bypasses the cache exactly as it
+would for that pass alone.
 """
 
 import hashlib
-import inspect
+import os
 from typing import Optional
 
 import torch
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import micro_pipeline
-from .micro_pipeline import micro_pipeline_pass
+from .micro_pipeline import Decision, micro_pipeline_pass, recording
 
-__all__ = ["MicroPipelineTPPass", "disable_micro_pipeline_tp", "enable_micro_pipeline_tp", "micro_pipeline_pass"]
+__all__ = [
+    "Decision",
+    "MicroPipelineTPPass",
+    "disable_micro_pipeline_tp",
+    "enable_micro_pipeline_tp",
+    "explain",
+    "micro_pipeline_pass",
+]
 
-_SOURCE_HASH = hashlib.sha256(inspect.getsource(micro_pipeline).encode()).hexdigest()
+# torch >= 2.9 calls these with is_inference; older torch has no such class.
+_InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
-class MicroPipelineTPPass(CustomGraphPass):
-    """The mptp post-grad pass, chaining a previously installed pass (run first)."""
+def _source_hash() -> str:
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = ["compile/__init__.py", "compile/micro_pipeline.py", "_library.py", "ops/__init__.py",
+             "ops/reference.py", "ops/validate.py"]  # fmt: skip
+    h = hashlib.sha256()
+    for f in files:
+        with open(os.path.join(pkg, f), "rb") as fh:
+            h.update(f.encode() + b"\0" + fh.read())
+    return h.hexdigest()
 
-    def __init__(self, chained: Optional[CustomGraphPass] = None):
+
+_SOURCE_HASH = _source_hash()
+
+
+def _as_list(p) -> list:
+    if p is None:
+        return []
+    return list(p) if isinstance(p, (list, tuple)) else [p]
+
+
+def _without_mptp(p):
+    """`p` (None, a pass, or a list/tuple of passes) with every MicroPipelineTPPass replaced by what it chains."""
+    if isinstance(p, MicroPipelineTPPass):
+        return _without_mptp(p.chained)
+    if not isinstance(p, (list, tuple)):
+        return p
+    out = []
+    for q in p:
+        out.extend(_as_list(_without_mptp(q)))
+    return type(p)(out) if out else None
+
+
+def _enabled_groups() -> tuple:
+    from .. import ops
+
+    groups = set(getattr(ops, "_ENABLED_GROUPS", ()))
+    try:
+        import torch.distributed._symmetric_memory as symm
+
+        groups |= set(getattr(symm, "_group_name_to_store", {}))
+    except Exception:  # noqa: BLE001 - no distributed build
+        pass
+    return tuple(sorted(groups))
+
+
+class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
+    """The mptp post-grad pass, running the previously installed pass(es) first.
+
+    Args:
+        chained: what post_grad_custom_post_pass held before: None, a pass, or a
+            list/tuple of passes (CustomGraphPass, CustomInferenceAwareGraphPass or
+            plain callables taking the graph).
+    """
+
+    def __init__(self, chained=None):
         self.chained = chained
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.chained is not None:
-            self.chained(graph)
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
+        for p in _as_list(self.chained):
+            if _InferenceAware is not None and isinstance(p, _InferenceAware):
+                p(graph, is_inference=is_inference)
+            else:
+                p(graph)
         micro_pipeline_pass(graph)
 
-    def uuid(self):
-        chained = self.chained.uuid() if self.chained is not None and hasattr(self.chained, "uuid") else None
-        return hashlib.sha256(f"mptp-micro-pipeline:{_SOURCE_HASH}:{chained}".encode()).hexdigest()
+    def uuid(self) -> Optional[tuple]:
+        chained = []
+        for p in _as_list(self.chained):
+            # NOTE: Inductor's own rule (codecache._check_custom_passes): a pass that is
+            # not a CustomGraphPass or whose uuid() is falsy makes the graph uncacheable.
+            u = p.uuid() if isinstance(p, CustomGraphPass) else None
+            if not u:
+                return None
+            chained.append(u)
+        return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained))
 
 
-_saved = []
+_state = {"depth": 0, "torch_flag": None}
 
 
 class _Enabled:
@@ -59,25 +136,68 @@ class _Enabled:
 
 
 def enable_micro_pipeline_tp() -> _Enabled:
-    """Installs the mptp pass into Inductor's post-grad custom pass slot."""
+    """Installs the mptp pass into Inductor's post-grad custom pass slot, after what is there.
+
+    Calls nest: the pass stays installed until every enable has been matched by a
+    disable (or its with-block has exited).
+    """
     cfg = torch._inductor.config
-    prev = cfg.post_grad_custom_post_pass
-    _saved.append((prev, getattr(cfg, "_micro_pipeline_tp", False)))
-    chained = prev.chained if isinstance(prev, MicroPipelineTPPass) else prev
-    cfg.post_grad_custom_post_pass = MicroPipelineTPPass(chained)
+    if _state["depth"] == 0:
+        _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)
+    _state["depth"] += 1
+    cfg.post_grad_custom_post_pass = MicroPipelineTPPass(_without_mptp(cfg.post_grad_custom_post_pass))
     if hasattr(cfg, "_micro_pipeline_tp"):
         cfg._micro_pipeline_tp = False
     return _Enabled()
 
 
 def disable_micro_pipeline_tp() -> None:
-    """Restores what enable_micro_pipeline_tp() replaced (innermost first)."""
+    """Removes the mptp pass from whatever is installed now, keeping every other pass.
+
+    A pass the user installed after enable_micro_pipeline_tp() (alone, or in a list
+    with ours) survives. Restores PyTorch's _micro_pipeline_tp flag.
+    """
     cfg = torch._inductor.config
-    if not _saved:
-        if isinstance(cfg.post_grad_custom_post_pass, MicroPipelineTPPass):
-            cfg.post_grad_custom_post_pass = cfg.post_grad_custom_post_pass.chained
+    _state["depth"] = max(_state["depth"] - 1, 0)
+    if _state["depth"] > 0:
         return
-    prev, torch_flag = _saved.pop()
-    cfg.post_grad_custom_post_pass = prev
-    if hasattr(cfg, "_micro_pipeline_tp"):
-        cfg._micro_pipeline_tp = torch_flag
+    cfg.post_grad_custom_post_pass = _without_mptp(cfg.post_grad_custom_post_pass)
+    if hasattr(cfg, "_micro_pipeline_tp") and _state["torch_flag"] is not None:
+        cfg._micro_pipeline_tp = _state["torch_flag"]
+    _state["torch_flag"] = None
+
+
+def explain(fn, *example_args, verbose: bool = True, **example_kwargs) -> list:
+    """Compiles and runs fn once with the pass on; returns (and prints) what it did per collective.
+
+    Every rank of the groups involved must call it (it runs fn). Dynamo's caches are
+    reset before and after, and Inductor's caches are bypassed, so the pass runs on
+    every graph fn compiles to (forward graphs; a backward compiles when it runs).
+
+    Args:
+        fn: a function or nn.Module.
+        example_args, example_kwargs: its inputs.
+        verbose: print one line per collective.
+
+    Returns:
+        [Decision(kind, node, group_name, dim, fused, detail)], in the order the pass
+        met them, graph after graph.
+    """
+    cfg = torch._inductor.config
+    patch = {k: v for k, v in (("fx_graph_cache", False), ("force_disable_caches", True)) if hasattr(cfg, k)}
+    decisions: list = []
+    torch._dynamo.reset()
+    try:
+        with enable_micro_pipeline_tp(), cfg.patch(patch), recording(decisions):
+            torch.compile(fn)(*example_args, **example_kwargs)
+    finally:
+        torch._dynamo.reset()
+    if verbose:
+        prefix = ""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            prefix = f"[rank {torch.distributed.get_rank()}] "
+        fused = sum(d.fused for d in decisions)
+        print(f"{prefix}mptp explain: {fused} of {len(decisions)} collectives fused")
+        for d in decisions:
+            print(f"{prefix}  {d}")
+    return decisions

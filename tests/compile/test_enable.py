@@ -1,0 +1,202 @@
+"""enable/disable, chaining other post-grad passes, the FX-graph-cache uuid, explain()."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import custom_graph_pass
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import mptp_kernels
+from mptp_kernels import compile as mc
+from mptp_kernels.compile import MicroPipelineTPPass
+
+cfg = torch._inductor.config
+c10d = torch.ops._c10d_functional
+InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+
+
+@pytest.fixture(autouse=True)
+def clean_slot():
+    assert mc._state["depth"] == 0, "a previous test left the pass enabled"
+    old = cfg.post_grad_custom_post_pass, getattr(cfg, "_micro_pipeline_tp", None)
+    cfg.post_grad_custom_post_pass = None
+    yield
+    cfg.post_grad_custom_post_pass = old[0]
+    if old[1] is not None:
+        cfg._micro_pipeline_tp = old[1]
+    mc._state.update(depth=0, torch_flag=None)
+
+
+class Tagged(CustomGraphPass):
+    def __init__(self, tag, seen=None):
+        self.tag, self.seen = tag, seen if seen is not None else []
+
+    def __call__(self, graph):
+        self.seen.append(self.tag)
+
+    def uuid(self):
+        return self.tag
+
+
+def _empty_graph():
+    g = torch.fx.Graph()
+    g.output(None)
+    return g
+
+
+def _compile_run(fn, *args, cache=False):
+    """Compiles and runs fn; without `cache`, no cache can skip the passes."""
+    torch._dynamo.reset()
+    with cfg.patch(force_disable_caches=not cache):
+        return torch.compile(fn)(*args)
+
+
+def _f(x):
+    return torch.relu(x) * 2 + 1
+
+
+def test_chains_the_installed_pass_and_restores_it():
+    seen = []
+    other = Tagged("other", seen)
+    cfg.post_grad_custom_post_pass = other
+    if hasattr(cfg, "_micro_pipeline_tp"):
+        cfg._micro_pipeline_tp = True
+    with mptp_kernels.enable_micro_pipeline_tp():
+        p = cfg.post_grad_custom_post_pass
+        assert isinstance(p, MicroPipelineTPPass) and p.chained is other
+        p(_empty_graph())
+        assert seen == ["other"]
+        assert getattr(cfg, "_micro_pipeline_tp", False) is False
+        assert p.uuid() is not None and "other" in p.uuid()[-1]
+    assert cfg.post_grad_custom_post_pass is other
+    if hasattr(cfg, "_micro_pipeline_tp"):
+        assert cfg._micro_pipeline_tp is True
+
+
+class NoUuid(CustomGraphPass):
+    def __call__(self, graph):
+        pass
+
+    def uuid(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    "chained,cacheable",
+    [(None, True), (Tagged("a"), True), ([Tagged("a"), Tagged("b")], True), (lambda g: None, False),
+     (NoUuid(), False), ([Tagged("a"), lambda g: None], False), ((Tagged("a"), NoUuid()), False)],
+    ids=["none", "uuid", "list", "plain_fn", "uuid_none", "list_with_fn", "tuple_with_uuid_none"],
+)  # fmt: skip
+def test_uuid_covers_every_chained_pass(chained, cacheable):
+    u = MicroPipelineTPPass(chained).uuid()
+    assert (u is not None) == cacheable
+    if cacheable:
+        assert u == MicroPipelineTPPass(chained).uuid(), "not stable"
+        assert u != MicroPipelineTPPass([Tagged("other")]).uuid()
+
+
+def test_uuid_changes_with_the_enabled_groups():
+    before = MicroPipelineTPPass().uuid()
+    mptp_kernels.enable_symm_mem_for_group("mptp-test-uuid-group")
+    assert MicroPipelineTPPass().uuid() != before
+
+
+def test_list_valued_user_pass_runs_under_compile():
+    seen = []
+    cfg.post_grad_custom_post_pass = [lambda g: seen.append("fn"), Tagged("tagged", seen)]
+    with mptp_kernels.enable_micro_pipeline_tp():
+        x = torch.randn(8)
+        torch.testing.assert_close(_compile_run(_f, x), _f(x))
+    assert seen == ["fn", "tagged"]
+    assert isinstance(cfg.post_grad_custom_post_pass, list) and len(cfg.post_grad_custom_post_pass) == 2
+
+
+@pytest.mark.skipif(InferenceAware is None, reason="this torch has no CustomInferenceAwareGraphPass")
+def test_inference_aware_user_pass_gets_is_inference():
+    seen = []
+
+    class IA(InferenceAware):
+        def __call__(self, graph, is_inference):
+            seen.append(is_inference)
+
+        def uuid(self):
+            return "ia"
+
+    cfg.post_grad_custom_post_pass = IA()
+    with mptp_kernels.enable_micro_pipeline_tp(), torch.no_grad():
+        _compile_run(_f, torch.randn(8))
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("how", ["replace", "wrap_in_list"])
+def test_disable_keeps_a_pass_installed_after_enable(how):
+    mine = Tagged("mine")
+    mptp_kernels.enable_micro_pipeline_tp()
+    if how == "replace":
+        cfg.post_grad_custom_post_pass = mine
+    else:
+        cfg.post_grad_custom_post_pass = [cfg.post_grad_custom_post_pass, mine]
+    mptp_kernels.disable_micro_pipeline_tp()
+    assert cfg.post_grad_custom_post_pass == (mine if how == "replace" else [mine])
+
+
+def test_enable_twice_does_not_chain_itself_and_nests():
+    with mptp_kernels.enable_micro_pipeline_tp():
+        with mptp_kernels.enable_micro_pipeline_tp():
+            p = cfg.post_grad_custom_post_pass
+            assert isinstance(p, MicroPipelineTPPass) and p.chained is None
+        assert isinstance(cfg.post_grad_custom_post_pass, MicroPipelineTPPass), "inner exit disabled the outer block"
+    assert cfg.post_grad_custom_post_pass is None
+
+
+def _cache_counters():
+    c = counters["inductor"]
+    return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["fxgraph_cache_bypass"]
+
+
+def test_fx_graph_cache_key_changes_with_the_pass(pg1, monkeypatch, tmp_path):
+    """A graph compiled without the pass is never served to a compile with it (and back)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def compile_once(fn):
+        counters.clear()
+        _compile_run(fn, torch.randn(8, 8), cache=True)
+        return _cache_counters()[:2]
+
+    def f(x):
+        return torch.relu(x @ x) + 1
+
+    with cfg.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        assert compile_once(f) == (0, 1)  # cold
+        assert compile_once(f) == (1, 0)  # warm, no pass
+        with mptp_kernels.enable_micro_pipeline_tp():
+            assert compile_once(f) == (0, 1), "a graph compiled without the pass was reused"
+            assert compile_once(f) == (1, 0)
+        assert compile_once(f) == (1, 0)  # the pass-less entry is still there
+
+
+def test_plain_function_user_pass_bypasses_the_cache(pg1, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg.post_grad_custom_post_pass = lambda g: None
+    with mptp_kernels.enable_micro_pipeline_tp(), cfg.patch(fx_graph_cache=True):
+        counters.clear()
+        _compile_run(_f, torch.randn(8), cache=True)
+        hit, miss, bypass = _cache_counters()
+    assert bypass >= 1 and hit == 0
+
+
+def test_explain_reports_each_collective(fake4):
+    W = 4
+
+    def fn(x, w1, w2):
+        A = c10d.wait_tensor(c10d.all_gather_into_tensor(x, W, fake4))
+        h = A @ w1  # fused
+        C = h @ w2
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(C, "sum", W, fake4))
+        return out, C.sum()  # the matmul result has another user: not fused
+
+    decisions = mptp_kernels.explain(fn, torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 8))
+    assert [(d.kind, d.fused) for d in decisions] == [("all-gather", True), ("reduce-scatter", False)]
+    assert "fused_all_gather_matmul" in decisions[0].detail
+    assert "other users" in decisions[1].detail
+    assert cfg.post_grad_custom_post_pass is None, "explain left the pass installed"
