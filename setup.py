@@ -5,8 +5,9 @@ Environment:
     MAX_JOBS=N              parallel compile jobs (default: all cores).
     CUDA_HOME               where to look for bin/nvcc when it is not on the PATH.
 
-The extension is built only where it can be: torch with CUDA, nvcc and cmake.
-Anywhere else the install is pure Python, editable or not, and the generated
+The extension is built where it can be used and built: nvcc and cmake present,
+and torch (where the build sees it: --no-build-isolation) a CUDA build. Anywhere
+else the install is pure Python, editable or not, and the generated
 mptp_kernels/_build_info.py says why (runtime and tests read it).
 """
 
@@ -43,10 +44,13 @@ def _cuda_build_reason():
         return "MPTP_SKIP_CUDA_BUILD=1"
     try:
         import torch
+
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is a CPU-only build"
     except ImportError:
-        return "torch is not importable at build time (install torch first, then pip install --no-build-isolation)"
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build"
+        # Build isolation hides the installed torch. The library needs no torch
+        # headers, so build it where the tools are; runtime uses it only on CUDA tensors.
+        pass
     if _find_nvcc() is None:
         return "nvcc not found on the PATH or in $CUDA_HOME/bin"
     if shutil.which("cmake") is None:
@@ -96,7 +100,9 @@ class BuildPy(build_py):
         super().run()
         if REASON is None:
             return
-        print(f"[mptp_kernels] CUDA extension not built: {REASON}; the ops run their reference path")
+        print(
+            f"[mptp_kernels] CUDA extension not built: {REASON}; the ops run their reference path"
+        )
         if self.editable_mode:  # the package is imported from the source tree
             _remove_stale_libraries()
             _write_build_info([PKG], False, REASON, None)
@@ -119,10 +125,14 @@ class CMakeBuild(build_ext):
 
     def build_extension(self, ext):
         if self._in_source:
-            for path in glob.glob(os.path.join(PKG, "_C.*.so")):  # the ABI-tagged name of older builds
+            for path in glob.glob(
+                os.path.join(PKG, "_C.*.so")
+            ):  # the ABI-tagged name of older builds
                 os.remove(path)
         nvcc = _find_nvcc()
-        nvcc_version = subprocess.check_output([nvcc, "--version"], text=True).strip().splitlines()[-1]
+        nvcc_version = (
+            subprocess.check_output([nvcc, "--version"], text=True).strip().splitlines()[-1]
+        )
         target = os.path.abspath(self.get_ext_fullpath(ext.name))
         build_dir = os.path.abspath(self.build_temp)
         os.makedirs(build_dir, exist_ok=True)
@@ -147,7 +157,9 @@ class CMakeBuild(build_ext):
             ) from e
         # Editable installs import from the source tree, where setuptools copies
         # the library (inplace); _build_info.py goes beside the library's user.
-        _write_build_info([PKG if self._in_source else os.path.dirname(target)], True, None, nvcc_version)
+        _write_build_info(
+            [PKG if self._in_source else os.path.dirname(target)], True, None, nvcc_version
+        )
         print("=" * 60)
         print("[mptp_kernels] build summary")
         print(f"  extension : mptp_kernels/_C.so ({time.time() - t0:.1f}s, {jobs} jobs)")

@@ -25,7 +25,9 @@ def status() -> str:
             f"mptp_kernels ({where}): fused CUDA path built ({info.NVCC_VERSION}), but no GPU is "
             "visible here; CPU tensors run the reference path"
         )
-    return f"mptp_kernels ({where}): fused CUDA path built; {torch.cuda.device_count()} GPU(s) visible"
+    return (
+        f"mptp_kernels ({where}): fused CUDA path built; {torch.cuda.device_count()} GPU(s) visible"
+    )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,16 @@ def test_build_info_present():
     if expect == "1":
         assert info.CUDA_EXTENSION_BUILT, f"extension not built: {info.SKIP_REASON}"
     elif expect == "0":
-        assert not info.CUDA_EXTENSION_BUILT, "extension built, but this run expects a pure-Python install"
+        assert not info.CUDA_EXTENSION_BUILT, (
+            "extension built, but this run expects a pure-Python install"
+        )
     assert (info.SKIP_REASON is None) == info.CUDA_EXTENSION_BUILT, "a skipped build must say why"
 
 
-@pytest.mark.skipif(not BUILT, reason="pure-Python install (MPTP_SKIP_CUDA_BUILD=1, no nvcc/cmake, or CPU-only torch)")
+@pytest.mark.skipif(
+    not BUILT,
+    reason="pure-Python install (MPTP_SKIP_CUDA_BUILD=1, no nvcc/cmake, or CPU-only torch)",
+)
 def test_extension_loads_without_libcuda():
     lib = _C.lib()
     assert lib is not None, _C.why_unavailable()
