@@ -252,7 +252,11 @@ def _model(kind, seed, dim, hidden, seq_dim, bias):
     if kind == "plain":
         return PlainMLP(full, seq_dim)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return parallelize_module(full, mesh, _plan(kind, seq_dim), src_data_rank=None)
+    model = parallelize_module(full, mesh, _plan(kind, seq_dim), src_data_rank=None)
+    assert all(
+        hasattr(getattr(model, k), "_mptp_tp") == (kind == "fused") for k in ("gate", "up", "down")
+    )
+    return model
 
 
 def _grads(model):
@@ -346,3 +350,60 @@ def test_training_tracks_dtensor(workers2):
         got = workers2.run(_train, SEED, kind, 6)[0]
         torch.testing.assert_close(got, ref, **TOL)
     assert ref[-2] < ref[0] and ref[-1] < ref[1]
+
+
+class Block(nn.Module):
+    """A pre-norm residual block: x + mlp(norm(x)), the norm sequence-parallel (DTensor input)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, dtype=F64)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def _block_vs_dtensor(seed, local_output):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    full = Block(16, 48)
+    with torch.no_grad():  # a non-trivial norm affine (identical on every rank)
+        full.norm.weight.add_(randn((16,), seed + 3, dtype=F64) * 0.1)
+        full.norm.bias.add_(randn((16,), seed + 4, dtype=F64) * 0.1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = randn((2, 6, 16), seed + 1, dtype=F64)
+    res = {}
+    for kind in ("dtensor", "fused"):
+        m = copy.deepcopy(full)
+        plan = {"norm": SequenceParallel(), **{f"mlp.{k}": v for k, v in _plan(kind, 1).items()}}
+        plan["mlp.down"].use_local_output = local_output
+        parallelize_module(m, mesh, plan, src_data_rank=None)
+        m = copy.deepcopy(m)  # a parallelized model survives deepcopy
+        assert all(
+            hasattr(getattr(m.mlp, k), "_mptp_tp") == (kind == "fused")
+            for k in ("gate", "up", "down")
+        )
+        xs = _shard(x, 1).requires_grad_()
+        y = m(DTensor.from_local(xs, mesh, (Shard(1),)) if not local_output else xs)
+        assert isinstance(y, DTensor) != local_output
+        if not local_output:
+            assert y.placements == (Shard(1),)
+            y = y.to_local()
+        y.square().sum().backward()
+        res[kind] = (y, xs.grad, _grads(m))
+    (y0, gx0, g0), (y1, gx1, g1) = res["dtensor"], res["fused"]
+    _close(y1, y0, "output")
+    _close(gx1, gx0, "d input")
+    for name in g0:
+        _close(g1[name], g0[name], f"grad of {name}")
+
+
+@pytest.mark.parametrize("local_output", [True, False])
+def test_fused_styles_with_sequence_parallel_norm(workers2, local_output):
+    workers2.run(_block_vs_dtensor, SEED, local_output)
