@@ -38,6 +38,16 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its rows are dense, else a contiguous copy (a broadcast gradient, stride 0).
+
+    NOTE: a gradient usually has the forward output's (gather-dim-major) strides, which
+    the ops consume without a copy; forcing .contiguous() would copy it twice.
+    """
+    dense = t.stride(-1) == 1 and all(st != 0 or n == 1 for st, n in zip(t.stride(), t.shape))
+    return t if dense else t.contiguous()
+
+
 def _gather(A: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
     """all_gather(A, gather_dim) through the op itself (any transport), with a one-column B."""
     W = c10d._get_group_size_by_name(group_name)
@@ -75,7 +85,7 @@ def _ag_backward(ctx, dA_full, dCs):
             k_full = dA_full.shape[-1]
             cols.append(dA_full)
             rows.append(torch.eye(k_full, dtype=dA_full.dtype, device=dA_full.device))
-        G = cols[0].contiguous() if len(cols) == 1 else torch.cat(cols, dim=-1)
+        G = _dense(cols[0]) if len(cols) == 1 else torch.cat(cols, dim=-1)
         Bt = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
         dA = torch.ops.mptp.fused_matmul_reduce_scatter(G, Bt, "sum", d, g)
     dBs = [None] * len(Bs)
@@ -132,7 +142,7 @@ def _rs_backward(ctx, dC):
     # Only dB wanted: a one-column B keeps the all-gather and drops the matmul.
     Bt = B.t() if need_A else B.t()[:, :1]
     dC_full, (dA,) = torch.ops.mptp.fused_all_gather_matmul(
-        dC.contiguous(), [Bt], ctx.scatter_dim, ctx.group_name, return_A=True
+        _dense(dC), [Bt], ctx.scatter_dim, ctx.group_name, return_A=True
     )
     dB = _rows(A, ctx.scatter_dim).t() @ _rows(dC_full, ctx.scatter_dim) if need_B else None
     return (dA if need_A else None), dB, None, None, None
