@@ -97,10 +97,12 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=None, help="default 2048 on GPU, 64 on CPU")
-    p.add_argument("--dim", type=int, default=None, help="default 2048 on GPU, 64 on CPU")
-    p.add_argument("--hidden", type=int, default=None, help="default 4 * dim")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3)")
+    # GPU defaults: Llama-3 8B's MLP on 8192 tokens, large enough for the size rule to fuse
+    # at W = 2 (smaller problems run the reference path unless MPTP_FORCE_FUSED=1).
+    p.add_argument("--seq", type=int, default=None, help="default 4096 on GPU, 64 on CPU")
+    p.add_argument("--dim", type=int, default=None, help="default 4096 on GPU, 64 on CPU")
+    p.add_argument("--hidden", type=int, default=None, help="default 14336 on GPU, 4 * dim on CPU")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     a = p.parse_args()
 
@@ -116,8 +118,8 @@ def main():
             "--styles dtensor needs one GPU per process (NCCL): gloo does not all-gather CUDA tensors"
         )
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    seq, dim = a.seq or (2048 if cuda else 64), a.dim or (2048 if cuda else 64)
-    hidden, lr = a.hidden or 4 * dim, a.lr or 1e-3
+    seq, dim = a.seq or (4096 if cuda else 64), a.dim or (4096 if cuda else 64)
+    hidden, lr = a.hidden or (14336 if cuda else 4 * dim), a.lr
     mesh = init_device_mesh(device, (W,))
     if cuda:
         mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
