@@ -1,19 +1,32 @@
 """Matmul-reduce-scatter: fused (mptp) against the baselines, measured in the same run.
 
-Loopback (one GPU, one process):  python bench/bench_matmul_reduce_scatter.py --mode loopback
-    Rank 0 of W simulated ranks: the producer kernel stores chunk c of its
-    partial product straight into slot 0 of "rank c's" buffer (separate
-    buffers on this GPU), then rank 0 reduces the W slots of its own buffer
-    in fp32. Providers:
-      mptp          producer scatter-store + reduction (what the fused op runs)
+Every mode's "mptp" row except --mode loopback's times the op as a user calls it
+(op_call: torch.ops.mptp.fused_matmul_reduce_scatter on a group name) and records
+the path the op took by default (path column, mptp_kernels.path_counts());
+"@graph" rows replay the same work from a CUDA graph.
+
+Loopback op (one GPU, one process):  python bench/bench_matmul_reduce_scatter.py --mode loopback-op
+    The op on a loopback group of W simulated ranks
+    (mptp_kernels.symm.loopback.init_loopback_group). Providers:
+      mptp          the op, end to end
+      matmul_only   torch.mm
+      comm_only     the W-1 chunk copies (copy engine) a reduce-scatter would send, then
+                    the sum of the W partials of this rank's chunk (torch.sum), NCCL-free
+      copy_cublas   torch.mm, then comm_only (what a user would run instead)
+Loopback pipeline (one GPU):        python bench/bench_matmul_reduce_scatter.py --mode loopback
+    Not the op: rank 0 of W simulated ranks assembled by hand. The producer kernel
+    stores chunk c of its partial product straight into slot 0 of "rank c's" buffer
+    (separate buffers on this GPU), then rank 0 reduces the W slots of its own
+    buffer in fp32. Providers:
+      mptp          producer scatter-store + reduction
       matmul_only   our persistent kernel, plain
       cublas_only   torch.mm
       comm_only     the unfused data movement: W-1 chunk copies + the reduction
       copy_cublas   torch.mm, then the copies and the reduction (the unfused pattern)
-Real (one process per GPU):        torchrun --nproc-per-node 8 bench/bench_matmul_reduce_scatter.py --mode real
+Real (one process per GPU):         torchrun --nproc-per-node 8 bench/bench_matmul_reduce_scatter.py --mode real
     Providers: mptp, nccl_cublas (mm + reduce_scatter_tensor), symm_mem
     (torch.ops.symm_mem.fused_matmul_reduce_scatter), matmul_only, comm_only.
-Rows go to bench/results/matmul_reduce_scatter.csv.
+Rows go to bench/results/matmul_reduce_scatter.csv (columns timed = op | pipeline, path).
 """
 
 import itertools
@@ -28,6 +41,7 @@ from common import (  # noqa: E402
     add_symm_mem,
     env_columns,
     loopback_summary,
+    op_path,
     parse_fused_args,
     run_cases,
     with_graphs,
@@ -35,11 +49,47 @@ from common import (  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.kernels.reduce import reduce_partials  # noqa: E402
+from mptp_kernels.symm.primitives import pull_chunks  # noqa: E402
+
+
+def _inputs(M, N, K):
+    A = (torch.randn(M, K, device="cuda") / 2).bfloat16()
+    B = (torch.randn(K, N, device="cuda") / K**0.5).bfloat16()
+    return A, B
+
+
+def op_call(group_name, A, B):
+    """(op name, fn): this rank's call of the op on its A [M, K] (partial sums), as a user makes it."""
+    name = "fused_matmul_reduce_scatter"
+    return name, lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, group_name)
+
+
+def loopback_op(group_name, W, M, N, K):
+    """The op on a loopback group, and the NCCL-free baselines. Returns (providers, columns)."""
+    A, B = _inputs(M, N, K)
+    name, fn = op_call(group_name, A, B)
+    path = op_path(fn, name)
+    Mc = M // W
+    C = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    slots = torch.empty(W, Mc, N, device="cuda", dtype=torch.bfloat16)  # the peers' partials of my chunk
+    out = torch.empty(Mc, N, device="cuda", dtype=torch.bfloat16)
+    copies = [(slots[c], C[c * Mc : (c + 1) * Mc], None) for c in range(1, W)]
+
+    def comm_only():
+        pull_chunks(copies, 1, torch.cuda.current_stream())
+        torch.sum(slots, 0, out=out)
+
+    def copy_cublas():
+        torch.mm(A, B, out=C)
+        comm_only()
+
+    fns = {"mptp": fn, "matmul_only": lambda: torch.mm(A, B, out=C), "comm_only": comm_only,
+           "copy_cublas": copy_cublas}  # fmt: skip
+    return with_graphs(fns), {"timed": "op", "path": path}
 
 
 def loopback(W, M, N, K):
-    A = (torch.randn(M, K, device="cuda") / 2).bfloat16()
-    B = (torch.randn(K, N, device="cuda") / K**0.5).bfloat16()
+    A, B = _inputs(M, N, K)
     Mc = M // W
     bufs = [torch.randn(W, Mc, N, device="cuda").bfloat16() for _ in range(W)]  # rank c's slots
     dests = [bufs[c][0] for c in range(W)]  # our partial of chunk c goes to slot 0 of rank c
@@ -71,41 +121,45 @@ def loopback(W, M, N, K):
             "copy_cublas": copy_cublas}  # fmt: skip
 
 
-def real(M, N, K):
+def real(group_name, M, N, K):
+    """The op on a real group (one process per GPU) and the NCCL baselines. Returns (providers, columns)."""
     import torch.distributed as dist
 
-    import mptp_kernels
-
     W = dist.get_world_size()
-    g = dist.group.WORLD.group_name
-    mptp_kernels.enable_symm_mem_for_group(g)
-    A = (torch.randn(M, K, device="cuda") / 2).bfloat16()
-    B = (torch.randn(K, N, device="cuda") / K**0.5).bfloat16()
+    A, B = _inputs(M, N, K)
+    name, fn = op_call(group_name, A, B)
+    path = op_path(fn, name)
     C = torch.mm(A, B)
     out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
     fns = {
-        "mptp": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g),
+        "mptp": fn,
         "nccl_cublas": lambda: dist.reduce_scatter_tensor(out, torch.mm(A, B)),
         "matmul_only": lambda: torch.mm(A, B),
         "comm_only": lambda: dist.reduce_scatter_tensor(out, C),
     }
-    fns["mptp_args"] = (A, B, "sum", 0, g)
-    add_symm_mem(fns, "fused_matmul_reduce_scatter", g)
-    return fns
+    fns["mptp_args"] = (A, B, "sum", 0, group_name)
+    add_symm_mem(fns, "fused_matmul_reduce_scatter", group_name)
+    return fns, {"timed": "op", "path": path}
 
 
 def main():
-    a, W = parse_fused_args(())
+    a, W, group_name = parse_fused_args(())
     envc = env_columns()
     cases = [{"world_size": W, "mode": a.mode, "dtype": "bf16", "M": M, "N": N, "K": K}
              for M, (N, K) in itertools.product(map(int, a.Ms.split(",")), LLAMA_TP8_NK)]
 
     def make(c):
-        return with_graphs(loopback(W, c["M"], c["N"], c["K"])) if a.mode == "loopback" else real(c["M"], c["N"], c["K"])
+        if a.mode == "loopback":
+            return with_graphs(loopback(W, c["M"], c["N"], c["K"])), {"timed": "pipeline"}
+        if a.mode == "loopback-op":
+            return loopback_op(group_name, W, c["M"], c["N"], c["K"])
+        return real(group_name, c["M"], c["N"], c["K"])
 
     def summarize(c, t):
         head = f"bf16 W={W} M={c['M']:5d} N={c['N']:5d} K={c['K']:5d}"
-        if a.mode != "loopback":
+        if c.get("path"):
+            head += f" path={c['path']}"
+        if a.mode == "real":
             return f"{head} " + " ".join(f"{k} {v:.1f}us" for k, v in t.items())
         return f"{head} | {loopback_summary(t)}"
 

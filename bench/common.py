@@ -43,11 +43,24 @@ def bench_us(fn, warmup_ms=25, rep_ms=100) -> float:
 
 
 def append_rows(name: str, rows: list) -> str:
+    """Appends rows to results/<name>; a column the file lacks is added (empty in older rows)."""
     path = os.path.join(RESULTS, name)
     os.makedirs(RESULTS, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header, old = list(reader.fieldnames or []), list(reader)
+        if set(fields) - set(header):
+            header += [k for k in fields if k not in header]
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=header)
+                w.writeheader()
+                w.writerows(old)
+        fields = header
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
         if new:
             w.writeheader()
         w.writerows(rows)
@@ -62,15 +75,18 @@ def geomean(xs) -> float:
 def run_cases(csv_name, cases, make_fns, columns, summarize, out_dir=None, write=True):
     """Times every provider of every case; appends one CSV row per (case, provider).
 
-    cases: iterable of dicts (the case's own columns); make_fns(case) -> {provider: fn};
-    summarize(case, times) -> the line printed for the case.
+    cases: iterable of dicts (the case's own columns); make_fns(case) -> {provider: fn}, or
+    ({provider: fn}, {column: value}) to add columns the case learns when it is set up (e.g.
+    the path an op took); summarize(case, times) -> the line printed for the case.
     """
     rows = []
     for case in cases:
-        times = {name: bench_us(fn) for name, fn in make_fns(case).items()}
+        made = make_fns(case)
+        fns, extra = made if isinstance(made, tuple) else (made, {})
+        times = {name: bench_us(fn) for name, fn in fns.items()}
         for name, us in times.items():
-            rows.append({**columns, **case, "provider": name, "median_us": round(us, 2)})
-        print(summarize(case, times), flush=True)
+            rows.append({**columns, **case, **extra, "provider": name, "median_us": round(us, 2)})
+        print(summarize({**case, **extra}, times), flush=True)
     if write and rows:
         path = append_rows(csv_name, rows)
         if out_dir and os.path.abspath(out_dir) != os.path.abspath(RESULTS):
@@ -80,12 +96,31 @@ def run_cases(csv_name, cases, make_fns, columns, summarize, out_dir=None, write
     return rows
 
 
+def op_path(fn, op: str) -> str:
+    """Calls fn once (a torch.ops.mptp.<op> call on CUDA tensors) and returns the path it took,
+    "fused" or "reference", from mptp_kernels.path_counts()."""
+    import mptp_kernels
+
+    before = mptp_kernels.path_counts()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    took = {p for (o, p), n in mptp_kernels.path_counts().items() if o == op and n > before.get((o, p), 0)}
+    return "+".join(sorted(took)) or "unknown"
+
+
 def parse_fused_args(extra=()):
-    """Arguments shared by the fused-op benchmarks; initializes NCCL in real mode. Returns (args, W)."""
+    """Arguments shared by the fused-op benchmarks. Returns (args, W, group_name): NCCL in real
+    mode, a loopback group of W simulated ranks in loopback-op mode, no group in loopback mode.
+
+    Modes: loopback     the fused pipeline assembled by hand on one GPU (not the op)
+           loopback-op  torch.ops.mptp.* end to end on a loopback group (one GPU, one process)
+           real         torch.ops.mptp.* on one process per GPU (torchrun)
+    """
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["loopback", "real"], default="loopback")
+    p.add_argument("--mode", choices=["loopback", "loopback-op", "real"], default="loopback")
     p.add_argument("--world-size", type=int, default=8, help="simulated ranks (loopback)")
     p.add_argument("--Ms", default="4096,8192,16384")
     p.add_argument("--out", default=None)
@@ -95,10 +130,17 @@ def parse_fused_args(extra=()):
     if a.mode == "real":
         import torch.distributed as dist
 
+        import mptp_kernels
+
         dist.init_process_group("nccl")
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return a, dist.get_world_size()
-    return a, a.world_size
+        mptp_kernels.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+        return a, dist.get_world_size(), dist.group.WORLD.group_name
+    if a.mode == "loopback-op":
+        from mptp_kernels.symm.loopback import init_loopback_group
+
+        return a, a.world_size, init_loopback_group(a.world_size)
+    return a, a.world_size, None
 
 
 def add_symm_mem(fns, name, group_name):
