@@ -187,19 +187,24 @@ def fused_table(rows, commit, pipeline):
     cases = fused_cases(rows)
     if not cases:
         return ""
-    recorded = all(c[3] for c in cases)
     min_flops = min_fused_flops()
     n_ref = sum(c[2] != "fused" for c in cases)
-    if recorded:
-        what = ("`mptp` times `torch.ops.mptp.*` end to end; the path column is what the op took "
-                "(`mptp_kernels.path_counts()`).")  # fmt: skip
+    # Rows before the `timed` column came from the hand-assembled pipeline.
+    timed = {r.get("timed") or "pipeline" for r in rows if r["provider"] == "mptp"}
+    if timed == {"op"}:
+        what = "`mptp` times `torch.ops.mptp.*` end to end."
     else:
-        rule = f"{min_flops / 1e9:.0f} GFLOP" if min_flops else "the size rule (not found)"
         what = (f"`mptp` times the fused pipeline assembled by hand ({pipeline}), not the op: it "
                 "leaves out validation, dispatch, the copy into the symmetric buffer, the signals and "
-                "the layout step. This CSV has no path column, so "
-                f"the default path is derived from the dispatcher's eager size rule (2MNK < {rule}: "
-                "reference) and marked *derived*.")  # fmt: skip
+                "the layout step.")  # fmt: skip
+        if "op" in timed:
+            what += " (Rows with a recorded path time the op.)"
+    if all(c[3] for c in cases):
+        what += " The path column is what the op took (`mptp_kernels.path_counts()`)."
+    else:
+        rule = f"{min_flops / 1e9:.0f} GFLOP" if min_flops else "the size rule (not found)"
+        what += (" Where the CSV has no path, the default path is derived from the dispatcher's "
+                 f"eager size rule (2MNK < {rule}: reference) and marked *derived*.")  # fmt: skip
     out = [
         f"Run {commit} on {machine(rows)}. {what} {n_ref} of {len(cases)} rows run the reference "
         "path by default (MPTP_FORCE_FUSED=1 fuses them).",
@@ -248,7 +253,8 @@ def fused_plot(rows, commit, path, plt, title):
     a1.legend(fontsize=7)
     a2.legend(fontsize=7)
     mode, W = cases[0][0][0], cases[0][0][1]
-    timed = "torch.ops.mptp" if all(c[3] for c in cases) else "hand-assembled pipeline, not the op"
+    op = {r.get("timed") for r in rows if r["provider"] == "mptp"} == {"op"}
+    timed = "torch.ops.mptp" if op else "hand-assembled pipeline, not the op"
     fig.suptitle(f"{title} ({timed}), {mode} W={W}: run {commit}, {machine(rows)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
