@@ -1,4 +1,4 @@
-# make demo | make test | make bench | make format
+# make demo | make test | make bench | make report | make format
 # Both demo and test create .venv if needed and install the package into it
 # (editable). MPTP_SKIP_CUDA_BUILD=1 installs without the CUDA extension, as
 # does a machine without nvcc, cmake or a CUDA build of torch; both commands
@@ -15,7 +15,7 @@ STAMP := $(abspath $(VENV))/.mptp-installed-$(BUILD_MODE)
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 STATUS := $(VPY) scripts/build_status.py
 
-.PHONY: install demo test test-gpu bench format clean
+.PHONY: install demo test bench report format clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) bench/bench_persistent_matmul.py
+
+# README performance tables + bench/results/*.png from the CSVs (plots need matplotlib in the venv).
+report:
+	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) bench/report.py --readme README.md
 
 format:
 	$(VPY) -m ruff format mptp_kernels tests bench examples scripts setup.py && $(VPY) -m ruff check --fix mptp_kernels tests bench examples scripts setup.py
