@@ -35,6 +35,7 @@ import triton.language as tl
 from ..symm.triton_sync import signal_release, wait_acquire
 from . import epilogue
 from .epilogue import load_result_scale, to_output
+from .launch import launch
 
 MAX_B = 3
 MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
@@ -355,6 +356,11 @@ def _num_sms(device_index: int) -> int:
 
 
 _interpreting = epilogue.interpreting
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # NOTE: triton.cdiv costs ~3 us per host call in Triton 3.8
+
 _DUMMY = {}
 _ORDERS = {}
 _ERR = {}
@@ -512,11 +518,9 @@ def persistent_matmul(
         Np = pad([b.shape[1] for b in gB], 0)
         Sp = pad([s.reshape(-1) for s in gS], _dummy(dev)) if gS else [_dummy(dev)] * MAX_B
         biasp = pad(gBias, gBias[0]) if gBias else [_dummy(dev)] * MAX_B
-        tiles = num_chunks * triton.cdiv(M // num_chunks, cfg.BLOCK_M) * sum(
-            triton.cdiv(n, cfg.BLOCK_N) for n in Np[:nb]
-        )
+        tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * sum(_cdiv(n, cfg.BLOCK_N) for n in Np[:nb])
         grid = (max(1, min(sms, tiles)),)
-        _persistent_matmul_kernel[grid](
+        args = [
             A, *Bp, *Cp, *biasp, *Sp,
             A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
             result_scale if result_scale is not None else _dummy(dev),
@@ -527,12 +531,15 @@ def persistent_matmul(
             Bp[2].stride(0), Bp[2].stride(1),
             M, K, A.stride(0), A.stride(1),
             order, flags, counters, epoch, int(timeout_s * 1e9), err, tag,
+        ]  # fmt: skip
+        constexprs = dict(
             NUM_CHUNKS=num_chunks, NUM_B=nb, MODE=mode, HAS_BIAS=has_bias,
             A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum,
             INPUT_PRECISION=precision, SCATTER=scatter_to is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_SMS=grid[0],
         )  # fmt: skip
+        launch(_persistent_matmul_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results += gC
     return results
 
@@ -548,18 +555,21 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     kmajor = B.stride(1) != 1
     b_desc = (TensorDescriptor.from_tensor(B.t(), [cfg.BLOCK_N, cfg.BLOCK_K]) if kmajor
               else TensorDescriptor.from_tensor(B, [cfg.BLOCK_K, cfg.BLOCK_N]))  # fmt: skip
-    tiles = num_chunks * triton.cdiv(M // num_chunks, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
     grid = (max(1, min(sms, tiles)),)
-    _persistent_matmul_tma_kernel[grid](
+    args = [
         a_desc, b_desc, C,
         A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
         B_scales[0].reshape(-1) if B_scales is not None else _dummy(dev),
         biases[0] if biases is not None else _dummy(dev),
         result_scale,
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag,
+    ]  # fmt: skip
+    constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
         B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_SMS=grid[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_SMS=grid[0],
     )  # fmt: skip
+    launch(_persistent_matmul_tma_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return [C]

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from . import epilogue
 from .epilogue import to_output
+from .launch import launch
 
 
 @triton.jit
@@ -49,8 +50,8 @@ def reduce_partials(
         assert err.dtype == torch.int32 and err.numel() >= 6, "err must be an int32[6] error record"
     fp8 = epilogue.fp8_out_constexprs(out.device, out.dtype, False)
     BLOCK = 2048
-    _reduce_partials_kernel[(triton.cdiv(numel, BLOCK),)](
-        partials, out, err if err is not None else out, numel, W, scale, HAS_ERR=err is not None,
-        E5M2_INF=fp8["E5M2_INF"], SOFT_FP8=fp8["SOFT_FP8"], BLOCK=BLOCK, num_warps=8,
-    )  # fmt: skip
+    launch(_reduce_partials_kernel, (triton.cdiv(numel, BLOCK),),
+           [partials, out, err if err is not None else out, numel, W, float(scale)],
+           dict(HAS_ERR=err is not None, E5M2_INF=fp8["E5M2_INF"], SOFT_FP8=fp8["SOFT_FP8"], BLOCK=BLOCK),
+           num_warps=8)  # fmt: skip
     return out

@@ -1,0 +1,190 @@
+"""kernels.launch: the direct launch of a cached compiled kernel (issue 14's host cost).
+
+On the CPU the launch logic runs against a stand-in compiled kernel (the interpreter has no
+launcher): first call of a key goes through fn[grid], later ones straight to kernel.run with
+every parameter in order; any change of specialization (alignment, dtype, int class,
+constexpr) is a new key. On a GPU the direct launch must give bitwise the plain launch's
+results and be the path taken.
+"""
+
+import pytest
+import torch
+import triton
+from utils import randn
+
+from mptp_kernels.kernels import launch as L
+from mptp_kernels.kernels import persistent_matmul as pm
+
+CUDA = torch.cuda.is_available()
+
+
+def _py_kernel(X, Y, n, scale, BLOCK, FLAG):  # a JITFunction needs a source; never compiled here
+    pass
+
+
+class _FakeCompiled:
+    packed_metadata = "meta"
+    function = "fn-handle"
+
+    def __init__(self):
+        self.calls = []
+        self.run = lambda *a: self.calls.append(a)
+
+
+class _FakeJIT(triton.runtime.jit.JITFunction):
+    def __init__(self):
+        super().__init__(_py_kernel)
+        self.plain = []
+        self.compiled = {}
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.plain.append((grid, args, kw))
+            return self.compiled.setdefault(tuple(sorted(kw.items())), _FakeCompiled())
+
+        return run
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "FAST", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1234, raising=False)
+    L._KERNELS.clear()
+    L._NAMES.clear()
+    yield
+    L._KERNELS.clear()
+    L._NAMES.clear()
+
+
+def test_direct_launch_after_the_first_call_of_a_key(fake_device):
+    fn = _FakeJIT()
+    x = torch.zeros(64)
+    y = torch.zeros(64, dtype=torch.float16)
+    L.launch(fn, (3,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32), num_warps=4)
+    assert len(fn.plain) == 1
+    L.launch(fn, (3,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32), num_warps=4)
+    assert len(fn.plain) == 1
+    (k,) = fn.compiled.values()
+    (call,) = k.calls
+    # grid, stream, function, packed metadata, no launch metadata or hooks, args, constexprs in order
+    assert call == (3, 1, 1, 1234, "fn-handle", "meta", None, None, None, x, y, 64, 0.5, 32, True)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_div16", "int64", "constexpr",
+                                    "options"])  # fmt: skip
+def test_any_change_of_specialization_is_a_new_key(fake_device, change):
+    fn = _FakeJIT()
+    buf = torch.zeros(80)
+    base = dict(args=[buf[:64], torch.zeros(64, dtype=torch.float16), 64, 0.5], cx=dict(BLOCK=32, FLAG=True),
+                opts=dict(num_warps=4))  # fmt: skip
+    L.launch(fn, (1,), base["args"], base["cx"], **base["opts"])
+    L.launch(fn, (1,), base["args"], base["cx"], **base["opts"])
+    assert len(fn.plain) == 1
+    args, cx, opts = list(base["args"]), dict(base["cx"]), dict(base["opts"])
+    if change == "misaligned":
+        args[0] = buf[1:65]  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        args[1] = torch.zeros(64, dtype=torch.bfloat16)
+    elif change == "int_is_one":
+        args[2] = 1
+    elif change == "int_div16":
+        args[2] = 63
+    elif change == "int64":
+        args[2] = 2**33
+    elif change == "constexpr":
+        cx["FLAG"] = False
+    else:
+        opts["num_warps"] = 8
+    L.launch(fn, (1,), args, cx, **opts)
+    assert len(fn.plain) == 2, "a new specialization must go through the plain launch"
+    # Values of the same class reuse the key (e.g. another 16-multiple, another aligned tensor).
+    L.launch(fn, (1,), [buf[4:68], base["args"][1], 48, 2.0], base["cx"], **base["opts"])
+    assert len(fn.plain) == 2
+
+
+def _hook(*args):
+    pass
+
+
+def test_hooks_and_failures_take_the_plain_launch(fake_device, monkeypatch):
+    fn = _FakeJIT()
+    args, cx = [torch.zeros(8), torch.zeros(8), 8, 1.0], dict(BLOCK=8, FLAG=False)
+    L.launch(fn, (1,), args, cx)
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        hook = knobs.runtime.launch_enter_hook
+        if hasattr(hook, "add"):  # Triton 3.8: a HookChain, active once a hook is added
+            hook.add(_hook)
+            try:
+                L.launch(fn, (1,), args, cx)
+            finally:
+                hook.remove(_hook)
+        else:
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", _hook)
+            L.launch(fn, (1,), args, cx)
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+        assert len(fn.plain) == 2, "a profiler's launch hook must see every launch"
+        L.launch(fn, (1,), args, cx)
+        assert len(fn.plain) == 2
+
+    def boom(*a):
+        raise TypeError("launcher takes other arguments")
+
+    (k,) = fn.compiled.values()
+    k.run = boom
+    n = len(fn.plain)
+    L.launch(fn, (1,), args, cx)  # the direct launch fails: relaunched plainly, fast path off
+    assert len(fn.plain) == n + 1 and L.FAST is False
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_direct_launch_matches_the_plain_launch():
+    from mptp_kernels.kernels.reduce import reduce_partials
+
+    dev = "cuda"
+    M, K, N, W = 512, 256, 384, 4
+    A = randn((M, K), 1, device=dev).bfloat16()
+    B = randn((K, N), 2, scale=K**-0.5, device=dev).bfloat16()
+    A8 = randn((M, K), 3, device=dev).to(torch.float8_e4m3fn)
+    B8 = randn((N, K), 4, scale=K**-0.5, device=dev).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.rand(M, device=dev) + 0.5, torch.rand(N, device=dev) + 0.5
+    flags = torch.ones(W, dtype=torch.int32, device=dev)
+    order = torch.tensor([2, 3, 0, 1], dtype=torch.int32, device=dev)
+    P = randn((W, 64, 33), 5, device=dev)
+    A_mis = torch.empty(M * K + 8, device=dev, dtype=torch.bfloat16)[1 : 1 + M * K].view(M, K)  # 2 bytes off
+    A_mis.copy_(A)
+
+    def scatter():
+        dests = [torch.empty(M // W, N, device=dev, dtype=torch.bfloat16) for _ in range(W)]
+        pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests)
+        return dests
+
+    cases = {
+        "bf16 auto": lambda: pm.persistent_matmul(A, [B]),
+        "bf16 pointer, 2 Bs": lambda: pm.persistent_matmul(A, [B, B[:, :128]], kernel="pointer"),
+        "bf16 misaligned A": lambda: pm.persistent_matmul(A_mis, [B], kernel="pointer"),
+        "bf16 consumer tma": lambda: pm.persistent_matmul(A, [B], num_chunks=W, order=order, flags=flags,
+                                                          mode=pm.MODE_CONSUMER, kernel="tma"),
+        "fp8 row, fp8 out": lambda: pm.persistent_matmul(A8, [B8], A_scale=sa, B_scales=[sb],
+                                                         out_dtype=torch.float8_e4m3fn,
+                                                         result_scale=torch.tensor(2.0, device=dev)),
+        "scatter": scatter,
+        "reduce": lambda: [reduce_partials(P, torch.empty(64, 33, device=dev), scale=0.5)],
+    }  # fmt: skip
+    old = L.FAST
+    try:
+        for name, fn in cases.items():
+            L.FAST = False
+            plain = [t.clone() for t in fn()]
+            L.FAST = True
+            fn()  # the first call of a key goes through the plain launch
+            before = L.stats["direct"]
+            fast = [t.clone() for t in fn()]
+            torch.cuda.synchronize()
+            assert L.stats["direct"] == before + 1, f"{name}: not launched directly"
+            for p, f in zip(plain, fast):
+                assert torch.equal(p.view(torch.uint8), f.view(torch.uint8)), f"{name}: direct launch differs"
+    finally:
+        L.FAST = old
