@@ -34,8 +34,12 @@ SCALED_MM_FP8_OUT = {
 RS_NONE, RS_RECIPROCAL, RS_MULTIPLY = 0, 1, 2
 
 
+# NOTE: read once, as Triton reads it once (when @triton.jit wraps the kernels at import).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 def fp8_out_constexprs(device: torch.device, out_dtype: torch.dtype, has_result_scale: bool) -> dict:

@@ -338,7 +338,12 @@ _CONFIGS = {
 
 
 def pick_config(dtype: torch.dtype, M: int, Ns: Sequence[int], K: int) -> Config:
-    if M * max(Ns) <= 256 * 256 or _interpreting():
+    return _pick_config(dtype, M, max(Ns), K)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_config(dtype: torch.dtype, M: int, n: int, K: int) -> Config:
+    if M * n <= 256 * 256 or _interpreting():
         return _CONFIGS["tiny"]["any"]
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         cls = "fp8"
@@ -346,7 +351,6 @@ def pick_config(dtype: torch.dtype, M: int, Ns: Sequence[int], K: int) -> Config
         cls = "fp32"
     else:
         cls = "16bit"
-    n = max(Ns)
     return _CONFIGS[cls]["tiny_n" if n <= 1024 else ("small_n" if n <= 2048 else "large")]
 
 
@@ -358,6 +362,10 @@ def _num_sms(device_index: int) -> int:
 _interpreting = epilogue.interpreting
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # NOTE: triton.cdiv costs ~3 us per host call in Triton 3.8
 
@@ -367,18 +375,19 @@ _ERR = {}
 
 
 def _identity_order(device, n):
-    key = (str(device), n)
-    if key not in _ORDERS:
-        _ORDERS[key] = torch.arange(n, device=device, dtype=torch.int32)
-    return _ORDERS[key]
+    order = _ORDERS.get((device, n))
+    if order is None:
+        order = _ORDERS[(device, n)] = torch.arange(n, device=device, dtype=torch.int32)
+    return order
 
 
 def _dummy(device, dtype=torch.float32):
     """A small zeroed tensor for pointer arguments a launch does not use (never written)."""
-    key = (str(device), dtype)
-    if key not in _DUMMY:
-        _DUMMY[key] = torch.zeros(4, device=device, dtype=dtype)
-    return _DUMMY[key]
+    key = (device, dtype)
+    d = _DUMMY.get(key)
+    if d is None:
+        d = _DUMMY[key] = torch.zeros(4, device=device, dtype=dtype)
+    return d
 
 
 def default_error_record(device) -> torch.Tensor:
@@ -387,10 +396,15 @@ def default_error_record(device) -> torch.Tensor:
     Once a consumer wait has timed out on it, every later consumer call without `err`
     on that device is poisoned (NaN) until it is zeroed again, as the process's record is.
     """
-    key = str(torch.device(device))
-    if key not in _ERR:
-        _ERR[key] = torch.zeros(6, device=device, dtype=torch.int32)
-    return _ERR[key]
+    err = _ERR.get(device)  # hot path: a tensor's device
+    if err is None:
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        err = _ERR.get(d)
+        if err is None:
+            err = _ERR[d] = torch.zeros(6, device=d, dtype=torch.int32)
+    return err
 
 
 def persistent_matmul(
@@ -464,7 +478,7 @@ def persistent_matmul(
     sms = num_sms or (_num_sms(dev.index or 0) if dev.type == "cuda" else 4)
     if order is None:
         order = _identity_order(dev, num_chunks)
-    dummy_i = _dummy(dev, torch.int32)
+    dummy_i, dummy_f = _dummy(dev, torch.int32), _dummy(dev)
     flags = flags if flags is not None else dummy_i
     counters = counters if counters is not None else dummy_i
     if err is None:
@@ -496,7 +510,7 @@ def persistent_matmul(
     if kernel != "pointer":
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
-                result_scale if result_scale is not None else _dummy(dev), tag, fp8_out)
+                result_scale if result_scale is not None else dummy_f, tag, fp8_out)
         if not auto:
             return _launch_tma(*args)
         try:
@@ -516,14 +530,14 @@ def persistent_matmul(
         pad = lambda lst, fill: lst + [fill] * (MAX_B - len(lst))  # noqa: E731
         Bp, Cp = pad(gB, gB[0]), pad(gC, gC[0])
         Np = pad([b.shape[1] for b in gB], 0)
-        Sp = pad([s.reshape(-1) for s in gS], _dummy(dev)) if gS else [_dummy(dev)] * MAX_B
-        biasp = pad(gBias, gBias[0]) if gBias else [_dummy(dev)] * MAX_B
+        Sp = pad([_flat(s) for s in gS], dummy_f) if gS else [dummy_f] * MAX_B
+        biasp = pad(gBias, gBias[0]) if gBias else [dummy_f] * MAX_B
         tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * sum(_cdiv(n, cfg.BLOCK_N) for n in Np[:nb])
         grid = (max(1, min(sms, tiles)),)
         args = [
             A, *Bp, *Cp, *biasp, *Sp,
-            A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
-            result_scale if result_scale is not None else _dummy(dev),
+            _flat(A_scale) if A_scale is not None else dummy_f,
+            result_scale if result_scale is not None else dummy_f,
             *(list(scatter_to) + [scatter_to[0]] * (8 - len(scatter_to)) if scatter_to is not None
               else [gC[0]] * 8),
             *Np,
@@ -559,8 +573,8 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     grid = (max(1, min(sms, tiles)),)
     args = [
         a_desc, b_desc, C,
-        A_scale.reshape(-1) if A_scale is not None else _dummy(dev),
-        B_scales[0].reshape(-1) if B_scales is not None else _dummy(dev),
+        _flat(A_scale) if A_scale is not None else _dummy(dev),
+        _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
         biases[0] if biases is not None else _dummy(dev),
         result_scale,
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag,
