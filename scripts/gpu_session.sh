@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build, test on the GPU, benchmark. Logs go to $OUT.
-# Usage (on the GPU machine): bash scripts/gpu_session.sh [tests...] ; BENCH="..." selects benches.
+# Usage (on the GPU machine): bash scripts/gpu_session.sh [tests...] ; BENCH="..." selects benches, e.g.
+#   BENCH="python3 bench/bench_all_gather_matmul.py --mode loopback-op --Ms 8192" (the op itself, W=8 loopback)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -9,7 +10,7 @@ if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
-python3 -c "import mptp_kernels as m; print('built:', m.build_info.CUDA_EXTENSION_BUILT)"
+python3 scripts/build_status.py | tee -a "$OUT/build.log"
 TESTS=${TESTS:-"."}
 (cd tests && timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q ${PYTEST_ARGS:--x} -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -40)
 if [ -n "${BENCH:-}" ]; then
