@@ -18,8 +18,10 @@ import triton  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import mangle_type
-except ImportError as e:  # another Triton layout: nothing to check here
+    from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
+
+    assert hasattr(JITFunction, "_pack_args")
+except (ImportError, AssertionError) as e:  # another Triton's internals: nothing to check here
     print("SKIP", e)
     sys.exit(0)
 
@@ -39,14 +41,16 @@ class _Capture:
 
 
 def _compile(fn, args, kwargs):
-    kw = dict(kwargs)
-    options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-    bound = dict(zip(fn.arg_names, args))
-    bound.update(kw)
-    constexprs = {n: bound[n] for n in fn.arg_names if n in kw}
-    signature = {n: "constexpr" if n in constexprs else mangle_type(bound[n]) for n in fn.arg_names}
-    src = triton.compiler.ASTSource(fn, signature, constexprs)
-    return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+    """As JITFunction.run compiles (same binder, specialization and attributes), for sm_90."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__).asm["ptx"]
 
 
 def main():
@@ -71,6 +75,9 @@ def main():
     pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, scatter_to=[torch.empty(M // 2, N).half()] * 2)
     pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, flags=torch.zeros(2, dtype=torch.int32),
                          counters=torch.zeros(2, dtype=torch.int32), mode=pm.MODE_PRODUCER)  # fmt: skip
+    # Production tiles, 16-byte aligned rows: the loads must stay 16-byte vectorized.
+    big = pm.Config(128, 256, 64, 8, 8, 3)
+    pm.persistent_matmul(torch.randn(1024, 512).half(), [torch.randn(512, 1024).half()], config=big, kernel="pointer")
     err = torch.zeros(6, dtype=torch.int32)
     rd.reduce_partials(torch.randn(3, 1000).half(), torch.empty(1000, dtype=torch.float8_e5m2), err=err)
     rd.reduce_partials(torch.randn(3, 1000).half(), torch.empty(1000).half())
@@ -79,6 +86,10 @@ def main():
         row = {
             "kernel": fn.__name__,
             "mode": kwargs.get("MODE"),
+            "block_n": kwargs.get("BLOCK_N"),
+            "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
+            "st_v4": "st.global.v4" in ptx,
+            "narrow_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.[bu](?:8|16)\b", ptx)),
             "has_err": kwargs.get("HAS_ERR"),
             "volatile_loads": len(re.findall(r"ld\.volatile", ptx)),
             "globaltimer": "globaltimer" in ptx,
