@@ -9,9 +9,11 @@ VPY := $(abspath $(VENV))/bin/python
 # The torch of record on the CPU machines; override e.g. TORCH_SPEC="torch>=2.11".
 TORCH_SPEC ?= torch==2.14.1
 PYTEST_ARGS ?=
-# NOTE: the stamp names the build mode, so switching MPTP_SKIP_CUDA_BUILD reinstalls.
+# NOTE: the stamp names the build mode and this tree, so switching MPTP_SKIP_CUDA_BUILD (or
+# pointing VENV at a venv another checkout installed into) reinstalls.
 BUILD_MODE := $(if $(filter 1 true yes on,$(MPTP_SKIP_CUDA_BUILD)),python-only,auto)
-STAMP := $(abspath $(VENV))/.mptp-installed-$(BUILD_MODE)
+TREE := $(shell printf '%s' "$(CURDIR)" | cksum | cut -d' ' -f1)
+STAMP := $(abspath $(VENV))/.mptp-installed-$(BUILD_MODE)-$(TREE)
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 STATUS := $(VPY) scripts/build_status.py
 
