@@ -483,8 +483,8 @@ def test_int64_a_rows_past_2_pow_31_elements(kernel):
 def test_int64_k_major_fp8_b_past_2_pow_31_elements(kernel):
     """A K-major FP8 B with N * K > 2**31: column * K passes 2**31 at column 65536."""
     M, K, N = 128, 32768, 65536 + 256
-    A = (torch.randn(M, K, device=DEV) * 0.5).to(FP8)
-    B = (torch.randn(N, K, device=DEV) * 0.5).to(FP8).t()
+    A = torch.randn(M, K, device=DEV, dtype=torch.bfloat16).mul_(0.5).to(FP8)
+    B = torch.randn(N, K, device=DEV, dtype=torch.bfloat16).mul_(0.5).to(FP8).t()  # 4 GB bf16 on the way
     one = torch.tensor(1.0, device=DEV)
     (C,) = pm.persistent_matmul(A, [B], A_scale=one, B_scales=[one], kernel=kernel)
     torch.cuda.synchronize()
@@ -562,7 +562,10 @@ def test_fp8_out_matches_scaled_mm_cuda(kernel, out_dtype, rs_case):
     B, bias = Bs[0], biases[0]
     (C,) = pm.persistent_matmul(A, [B], out_dtype=out_dtype, A_scale=sa, B_scales=[sb], biases=[bias],
                                 result_scale=rs, kernel=kernel)  # fmt: skip
-    ref = torch._scaled_mm(A, B, sa, sb, bias=bias, scale_result=rs, out_dtype=out_dtype)
+    try:
+        ref = torch._scaled_mm(A, B, sa, sb, bias=bias, scale_result=rs, out_dtype=out_dtype)
+    except RuntimeError as e:  # e.g. a combination cuBLASLt does not offer: nothing to match
+        pytest.skip(f"torch._scaled_mm: {str(e)[:200]}")
     y = (A.float() @ B.float()) * sa * sb + bias.float()
     if rs is not None:
         mult, recip = (y * rs).to(out_dtype), (y * (1 / rs)).to(out_dtype)
