@@ -1,0 +1,132 @@
+"""torch.compile of a sequence-parallel TP block with the mptp pass, on the GPU: W = 2 processes
+sharing it over a gloo group (the fused path only uses the group to exchange IPC handles).
+
+The block: LayerNorm (SequenceParallel) -> up (ColwiseParallel, input Shard(1)) -> SiLU ->
+down (RowwiseParallel, output Shard(1)) + residual, built with DTensor's parallelize_module,
+bf16 on CUDA, compiled with mptp_kernels.enable_micro_pipeline_tp(). The test proves:
+
+1. the pass fused both collectives of the graph (its recorded decisions), and the compiled
+   code ran the fused CUDA path: path_counts() counts 'fused' calls of both ops and no
+   'reference' call;
+2. the output matches eager: the same DTensor model run eagerly in float64 on the CPU of
+   the same group (gloo cannot all-gather CUDA tensors, so eager DTensor cannot run on
+   this group's GPU tensors), with the tolerance rule
+       err(compiled bf16 vs eager fp64) <= 3 * err(eager bf16 on one GPU, no TP, vs eager fp64) + 2e-3
+   (relative norms). k = 3: the row-parallel partial sums are rounded to bf16 before their
+   fp32 reduction, which eager bf16 without TP never does; 2e-3 covers the rounding points
+   Inductor moves (it fuses LayerNorm, SiLU and the residual in fp32) on O(1) outputs.
+
+Shapes: D = 256, hidden 1024, sequence 256 (128 per rank), batch 2 (gather on dim 1) and
+batch 1 (Inductor turns that gather into a view chain); MPTP_FORCE_FUSED=1 so the size
+heuristic cannot pick the reference. Every multi-process call has a hard timeout.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dist.harness import Workers
+from utils import assert_matmul_close, randn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+SEED = random.randrange(1 << 30)
+ENV = {"MPTP_FORCE_FUSED": "1", "MPTP_LOG": "1"}
+TIMEOUT_S = 600
+DIM, HIDDEN, SEQ = 256, 1024, 256
+AG, RS = "fused_all_gather_matmul", "fused_matmul_reduce_scatter"
+
+
+@pytest.fixture(scope="module")
+def workers():
+    w = Workers(2, backend="gloo", env=ENV)
+    yield w
+    w.close()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.silu(self.up(self.norm(x))))
+
+
+def _tp(model, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    import mptp_kernels
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
+    plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+    return parallelize_module(model, mesh, plan)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _counts():
+    import mptp_kernels
+
+    return dict(mptp_kernels.path_counts())
+
+
+def _compiled_tp_block(seed, batch):
+    import mptp_kernels
+    from mptp_kernels.compile.micro_pipeline import recording
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)  # the same full weights on every rank
+    full = Block()
+    with torch.no_grad():  # a non-trivial LayerNorm affine
+        full.norm.weight.copy_(1 + 0.1 * randn((DIM,), seed + 1))
+        full.norm.bias.copy_(0.1 * randn((DIM,), seed + 2))
+    x = randn((batch, SEQ, DIM), seed + 3)
+    x_local = x.chunk(W, dim=1)[r]
+
+    with torch.no_grad():
+        ref64 = _local(_tp(copy.deepcopy(full).double(), "cpu")(x_local.double()))
+        eager_bf16 = copy.deepcopy(full).to("cuda", torch.bfloat16)(x.to("cuda", torch.bfloat16))
+        eager_bf16 = eager_bf16.cpu().chunk(W, dim=1)[r]
+        model = _tp(copy.deepcopy(full).to("cuda", torch.bfloat16), "cuda")
+        torch._dynamo.reset()
+        decisions = []
+        with mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
+            compiled = torch.compile(model, fullgraph=True)
+            c0 = _counts()
+            out = _local(compiled(x_local.to("cuda", torch.bfloat16)))
+            out2 = _local(compiled(x_local.to("cuda", torch.bfloat16)))
+        torch.cuda.synchronize()
+        c1 = _counts()
+
+    kinds = [(d.kind, d.fused) for d in decisions if d.kind != "symm_mem op"]
+    assert kinds == [("all-gather", True), ("reduce-scatter", True)], [str(d) for d in decisions]
+    delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in set(c0) | set(c1)}
+    assert delta.get((AG, "fused"), 0) == 2 and delta.get((RS, "fused"), 0) == 2, delta
+    assert not any(n for (_, path), n in delta.items() if path == "reference"), delta
+    assert out.shape == ref64.shape == (batch, SEQ // W, DIM), (out.shape, ref64.shape)
+    assert torch.equal(out, out2), "the second call of the compiled model differs from the first"
+    assert_matmul_close(out.float(), ref64, eager_bf16, k=3.0, atol=2e-3, what="compiled TP block")
+    return [str(d) for d in decisions]
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+def test_compiled_tp_block_runs_fused_and_matches_eager(workers, batch):
+    decisions = workers.run(_compiled_tp_block, SEED, batch, timeout_s=TIMEOUT_S)
+    print(f"SEED={SEED} batch={batch}\n" + "\n".join(decisions[0]))
