@@ -16,6 +16,7 @@ from .ops import (
     is_symm_mem_enabled_for_group,
     restride_A_for_fused_matmul_reduce_scatter,
     restride_A_shard_for_fused_all_gather_matmul,
+    shutdown,
 )
 
 
@@ -63,4 +64,5 @@ __all__ = [
     "path_counts",
     "restride_A_for_fused_matmul_reduce_scatter",
     "restride_A_shard_for_fused_all_gather_matmul",
+    "shutdown",
 ]

@@ -21,3 +21,19 @@ def assert_matmul_close(out, ref64, eager, k=2.0, atol=1e-6, what="output"):
     assert not torch.isnan(out.float()).any(), f"{what}: NaN"
     e, e_eager = rel_err(out, ref64), rel_err(eager, ref64)
     assert e <= k * e_eager + atol, f"{what}: rel err {e:.3e} > {k} * {e_eager:.3e} + {atol}"
+
+
+def fused_unavailable():
+    """Why the fused CUDA path cannot run here (no GPU, or the extension was not built), or None."""
+    if not torch.cuda.is_available():
+        return "needs a GPU"
+    from mptp_kernels.symm import _C
+
+    return None if _C.lib() is not None else _C.why_unavailable()
+
+
+def skip_without_fused():
+    import pytest
+
+    why = fused_unavailable()
+    return pytest.mark.skipif(why is not None, reason=str(why))

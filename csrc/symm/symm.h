@@ -1,6 +1,6 @@
 // Symmetric memory: device buffers every rank of a group can map, signal pads,
 // stream-ordered signal and bounded wait. See mptp_kernels/symm/ for the
-// group-level logic (handle exchange, epochs, workspaces).
+// group-level logic (handle exchange, counting signals, workspaces).
 #pragma once
 
 #include <cstddef>

@@ -8,7 +8,7 @@ through a 16-bit type and writes NaN on overflow instead):
           round to nearest even; e4m3fn saturates to +-448, e5m2 overflows to +-inf.
     cuda: cuBLASLt's D scale, y = scale_result * (sa * sb * A @ B + bias); the cast saturates
           (cvt.rn.satfinite). NOTE: not measured here; tests/kernels/test_persistent_matmul.py
-          ::test_fp8_out_matches_scaled_mm_cuda checks it on the GPU.
+          ::test_fp8_out_matches_the_reference_cuda checks it on the GPU.
 
 scale_result only applies to FP8 outputs (the CPU path ignores it for the others; so do we).
 SCALED_MM_FP8_OUT holds the table; the kernels take it as constexprs (RS_MODE, E5M2_INF).
@@ -28,7 +28,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # result_scale: "reciprocal" multiplies by 1 / scale_result (computed in fp32), "multiply" by it.
 # e5m2_overflow: "inf" or "saturate" (e4m3fn has no inf and saturates on both devices).
 SCALED_MM_FP8_OUT = {
-    "cpu": {"result_scale": "reciprocal", "e5m2_overflow": "inf"},
+    # NOTE: one convention on every device, the ops' (mptp_kernels.ops.reference.scaled_mm):
+    # cuBLASLt's D scale, saturating. CPU torch._scaled_mm divides and overflows e5m2 to inf.
+    "cpu": {"result_scale": "multiply", "e5m2_overflow": "saturate"},
     "cuda": {"result_scale": "multiply", "e5m2_overflow": "saturate"},
 }
 RS_NONE, RS_RECIPROCAL, RS_MULTIPLY = 0, 1, 2

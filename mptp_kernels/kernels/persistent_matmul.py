@@ -313,7 +313,7 @@ def persistent_matmul_configs() -> dict:
     """Frozen configs per (dtype class, shape class), tuned on the H200 with flags pre-set.
 
     NOTE: a kernel that waits on flags is never autotuned live (it would spin on
-    flags nobody sets); bench/tune_persistent_matmul.py regenerates this table.
+    flags nobody sets); `python bench/bench_persistent_matmul.py --tune [--kernel K] [--Ns ...]` regenerates this table (sweeps in bench/results/tune_*.txt).
     """
     return _CONFIGS
 

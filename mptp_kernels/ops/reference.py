@@ -77,18 +77,39 @@ def all_gather_matmul(
     return (A_gm.movedim(0, gather_dim) if return_A else None), outs
 
 
+def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=None, use_fast_accum=False):
+    """torch._scaled_mm as the ops define it, the same on every device and torch version.
+
+    A: [M, K] FP8; B: [K, N] FP8 (column-major on CUDA); A_scale: one element or [M, 1];
+    B_scale: one element or [1, N]; out_dtype: default A's dtype (an FP8 output).
+    Non-FP8 outputs on CUDA are torch._scaled_mm itself. FP8 outputs are
+    y = (sa * sb * A @ B + bias) * result_scale in fp32, saturated to the FP8 range,
+    rounded to nearest: cuBLASLt's D-scale convention. NOTE: torch's own FP8 output is not
+    one thing: CUDA _scaled_mm ignores scale_result in torch 2.10-2.11 (pytorch/pytorch#190449)
+    and the CPU divides by it, so the result scale is applied here. On the CPU everything is
+    computed in fp32 (torch 2.11's CPU _scaled_mm has no row-wise scales).
+    """
+    want = out_dtype or A.dtype
+    fp8_out = want in validate.FP8_DTYPES
+    if A.is_cuda and not fp8_out:
+        return torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
+    if A.is_cuda and A_scale.numel() == 1 and B_scale.numel() == 1:
+        y = torch._scaled_mm(A, B, A_scale, B_scale, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
+    else:  # (CUDA's row-wise _scaled_mm writes bf16 only)
+        y = (A.float() @ B.float()) * A_scale.float() * B_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    if not fp8_out:
+        return y.to(want)
+    if result_scale is not None:
+        y = y * result_scale.float()
+    fmax = torch.finfo(want).max
+    return y.clamp(-fmax, fmax).to(want)
+
+
 def _scaled_mm_nd(A, B, A_scale, B_scale, bias, result_scale, out_dtype, use_fast_accum):
     lead = A.shape[:-1]
-    out = torch._scaled_mm(
-        A.flatten(0, -2),
-        B,
-        A_scale,
-        B_scale,
-        bias=bias,
-        scale_result=result_scale,
-        out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
-    )
+    out = scaled_mm(A.flatten(0, -2), B, A_scale, B_scale, bias, result_scale, out_dtype, use_fast_accum)
     return out.unflatten(0, lead)
 
 
@@ -180,15 +201,7 @@ def scaled_matmul_reduce_scatter(
     validate.check_divisible(output_shape, orig_scatter_dim, W, "orig_scatter_dim")
     if A_scale.numel() > 1:
         A_scale = A_scale.flatten(0, -2).contiguous()
-    C = torch._scaled_mm(
-        A.flatten(0, -2).contiguous(),
-        B,
-        A_scale,
-        B_scale,
-        bias=bias,
-        scale_result=result_scale,
-        out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
-    )
+    C = scaled_mm(A.flatten(0, -2).contiguous(), B, A_scale, B_scale, bias, result_scale, out_dtype,
+                  use_fast_accum)
     C = C.view(*output_shape[:-1], B.shape[1])
     return reduce_scatter(C, reduce_op, orig_scatter_dim, W, group_name)

@@ -4,7 +4,7 @@ stream-ordered signal / wait, barriers that time out.
 Layering: csrc/ allocates, exports and opens CUDA IPC handles and runs the
 signal/wait primitives; this module exchanges the handles over the process
 group (two phases: export bytes -> all_gather_object -> import), self-checks
-the mapping, keeps epochs, and caches one workspace per group.
+the mapping, keeps counting signals (expected counters, never reset), and caches one workspace per group.
 
 Peers may share a device: W processes on one GPU form a valid group (CUDA IPC
 between processes on one device works; only a rank's own buffer is used

@@ -16,9 +16,12 @@ captured signal / wait / barrier stays correct on every replay.
 
 Timeouts: the wait kernel gives up after MPTP_TIMEOUT_S, records (channel,
 peer, expected, seen, tag) in host-mapped memory and lets the stream go on;
-check_errors() (called at the start of every op and by barrier()) raises a
+check_errors() (called at the start of every op and by SymmetricMemory.check()) raises a
 RuntimeError naming op, group, rank and peer. Later waits of the process
-return at once, so one missing peer costs one timeout.
+return at once, so one missing peer costs one timeout; the kernels that follow
+a wait read the record and write NaN instead of computing on what did not
+arrive. A watchdog thread (MPTP_ASYNC_ERROR_HANDLING) ends a process that never
+looks at its error.
 
 Chunk-arrival flags that a persistent matmul spins on are written with
 cuStreamWriteValue32 (write_value), never by a kernel: the matmul may hold
@@ -115,7 +118,7 @@ def _error_message(rec, group_name: str = "?", rank: int = -1) -> str:
         detail = f"waiting for peer rank {peer} on channel {channel}"
     return (
         f"mptp {what}: timed out after {env.timeout_s():g}s (MPTP_TIMEOUT_S) on group "
-        f"{group_name!r}, rank {rank}, {detail} (expected epoch {expected}, saw {seen}). "
+        f"{group_name!r}, rank {rank}, {detail} (expected count {expected}, saw {seen}). "
         "A peer did not join the call or died; the outputs of that call were poisoned with "
         "NaN, and this process's symmetric memory is now unusable: restart the job."
     )

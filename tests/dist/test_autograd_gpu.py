@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dist.harness import Workers
-from utils import assert_matmul_close, randn
+from utils import assert_matmul_close, randn, skip_without_fused
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = skip_without_fused()  # no GPU, or the CUDA extension was not built
 SEED = random.randrange(1 << 30)
 ENV = {"MPTP_FORCE_FUSED": "1", "MPTP_LOG": "1"}
 OP_TIMEOUT_S, TRAIN_TIMEOUT_S = 300, 600

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dist.harness import Workers
-from utils import assert_matmul_close, randn
+from utils import assert_matmul_close, randn, skip_without_fused
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = skip_without_fused()  # no GPU, or the CUDA extension was not built
 SEED = random.randrange(1 << 30)
 FP8 = torch.float8_e4m3fn
 ENV = {"MPTP_FORCE_FUSED": "1", "MPTP_LOG": "1"}

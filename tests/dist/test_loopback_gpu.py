@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+from utils import skip_without_fused
+
+pytestmark = skip_without_fused()  # no GPU, or the CUDA extension was not built
 
 _CODE = r"""
 import os, torch

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from dist.harness import Workers
+from utils import skip_without_fused
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = skip_without_fused()  # no GPU, or the CUDA extension was not built
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: build, then GPU test groups in parallel (they share the GPU), logs to $OUT.
+# Usage: GROUPS_A="dist/test_safety_gpu.py ..." GROUPS_B="kernels" bash scripts/gpu_tests.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
+python3 -c "import torch, triton, mptp_kernels as m; print('torch', torch.__version__, 'triton', triton.__version__, 'built:', m.build_info.CUDA_EXTENSION_BUILT)" | tee -a "$OUT/build.log"
+export MPTP_FALLBACK_LOG="$OUT/fallback_paths.txt"
+i=0
+for group in "${GROUP_A:-}" "${GROUP_B:-}" "${GROUP_C:-}"; do
+  [ -z "$group" ] && continue
+  i=$((i+1))
+  (cd tests && timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -rfE -p no:cacheprovider --durations=15 $group > "$OUT/tests_$i.log" 2>&1; echo "exit $?" >> "$OUT/tests_$i.log") &
+done
+wait
+for f in "$OUT"/tests_*.log; do echo "== $f"; tail -25 "$f"; done
