@@ -145,7 +145,9 @@ def enable_micro_pipeline_tp() -> _Enabled:
     if _state["depth"] == 0:
         _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)
     _state["depth"] += 1
-    cfg.post_grad_custom_post_pass = MicroPipelineTPPass(_without_mptp(cfg.post_grad_custom_post_pass))
+    cfg.post_grad_custom_post_pass = MicroPipelineTPPass(
+        _without_mptp(cfg.post_grad_custom_post_pass)
+    )
     if hasattr(cfg, "_micro_pipeline_tp"):
         cfg._micro_pipeline_tp = False
     return _Enabled()
@@ -184,7 +186,11 @@ def explain(fn, *example_args, verbose: bool = True, **example_kwargs) -> list:
         met them, graph after graph.
     """
     cfg = torch._inductor.config
-    patch = {k: v for k, v in (("fx_graph_cache", False), ("force_disable_caches", True)) if hasattr(cfg, k)}
+    patch = {
+        k: v
+        for k, v in (("fx_graph_cache", False), ("force_disable_caches", True))
+        if hasattr(cfg, k)
+    }
     decisions: list = []
     torch._dynamo.reset()
     try:

@@ -75,7 +75,9 @@ _SPLITS = _overloads("split.Tensor", "split.sizes", "split_with_sizes.default")
 _MM, _BMM, _SCALED_MM = aten.mm.default, aten.bmm.default, aten._scaled_mm.default
 _MATMULS = (_MM, _BMM, _SCALED_MM)
 # What can hide a collective when reorder_for_compute_comm_overlap is on.
-_COMPUTE_INTENSIVE = _overloads("mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default")
+_COMPUTE_INTENSIVE = _overloads(
+    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default"
+)
 
 
 class _Reject(Exception):
@@ -128,7 +130,9 @@ def _group_enabled(group_name: str) -> bool:
     if is_symm_mem_enabled_for_group(group_name):
         return True
     try:
-        from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group as torch_enabled
+        from torch.distributed._symmetric_memory import (
+            is_symm_mem_enabled_for_group as torch_enabled,
+        )
 
         return bool(torch_enabled(group_name))
     except Exception:  # noqa: BLE001
@@ -217,17 +221,25 @@ class _Builder:
             with self.mode:
                 n.meta["val"] = target(*fa, **fk)
         except Exception as e:  # noqa: BLE001 - any failure means "cannot prove it"
-            raise _Reject(f"{getattr(target, '__name__', target)} fails on the fake inputs: {e}") from None
+            raise _Reject(
+                f"{getattr(target, '__name__', target)} fails on the fake inputs: {e}"
+            ) from None
         return n
 
     def reshape(self, n: fx.Node, shape) -> fx.Node:
-        return n if list(_tval(n).shape) == list(shape) else self.call(aten.reshape.default, (n, list(shape)))
+        return (
+            n
+            if list(_tval(n).shape) == list(shape)
+            else self.call(aten.reshape.default, (n, list(shape)))
+        )
 
     def like(self, n: fx.Node, ref: torch.Tensor, what: str) -> fx.Node:
         """`n` restrided to exactly `ref`'s strides; _Reject unless shape and dtype already match."""
         v = _tval(n)
         if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
-            raise _Reject(f"{what}: the replacement is {v.dtype}{list(v.shape)}, the graph has {ref.dtype}{list(ref.shape)}")
+            raise _Reject(
+                f"{what}: the replacement is {v.dtype}{list(v.shape)}, the graph has {ref.dtype}{list(ref.shape)}"
+            )
         if tuple(v.stride()) == tuple(ref.stride()):
             return n
         if not _is_dense(ref):
@@ -256,7 +268,11 @@ def _fake_mode(nodes):
 def _erase_dead(graph: fx.Graph, nodes) -> None:
     """Erases the given nodes that have no users left, users before producers."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted({n for n in nodes if n in order and n.op == "call_function"}, key=order.__getitem__, reverse=True):
+    for n in sorted(
+        {n for n in nodes if n in order and n.op == "call_function"},
+        key=order.__getitem__,
+        reverse=True,
+    ):
         if not n.users:
             graph.erase_node(n)
 
@@ -291,7 +307,13 @@ class _Matmul:
         n = self.node
         if not self.scaled:
             return [n.args[1]]
-        return [n.args[1], _arg(n, 2, "scale_a"), _arg(n, 3, "scale_b"), _arg(n, 4, "bias"), _arg(n, 5, "scale_result")]
+        return [
+            n.args[1],
+            _arg(n, 2, "scale_a"),
+            _arg(n, 3, "scale_b"),
+            _arg(n, 4, "bias"),
+            _arg(n, 5, "scale_result"),
+        ]
 
     @property
     def expand(self) -> Optional[fx.Node]:
@@ -398,7 +420,12 @@ def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[lis
     size = _tval(src).shape[dim]
     by_start = {}
     for s in slices:
-        d, start, end, step = _arg(s, 1, "dim", 0), _arg(s, 2, "start"), _arg(s, 3, "end"), _arg(s, 4, "step", 1)
+        d, start, end, step = (
+            _arg(s, 1, "dim", 0),
+            _arg(s, 2, "start"),
+            _arg(s, 3, "end"),
+            _arg(s, 4, "step", 1),
+        )
         start, end = start or 0, size if end is None else min(end, size)
         if d % _tval(src).dim() != dim or step != 1 or end - start != piece or start % piece:
             return None
@@ -423,7 +450,9 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
         if user is not None and user.target is aten.view.dtype:
             res, view_dtype = user, user.args[1]
             nodes.append(res)
-        return _AllGather(ag, wait, _skip_aliases(res, nodes), shard, 0, group_name, nodes, view_dtype)
+        return _AllGather(
+            ag, wait, _skip_aliases(res, nodes), shard, 0, group_name, nodes, view_dtype
+        )
     getitems = pieces[1:] if pieces[0].target in _SPLITS else pieces
     nodes.extend(pieces)
     # Optional per-piece view.dtype (type-erased fp8), then one cat in piece order.
@@ -475,7 +504,10 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         (skipped if why else matmuls).append(why or mm)
     if not matmuls:
         users = sorted({str(u.target) for u in m.res.users})
-        raise _Reject("; ".join(skipped) or f"no matmul consumes it through reshapes only (its users: {users})")
+        raise _Reject(
+            "; ".join(skipped)
+            or f"no matmul consumes it through reshapes only (its users: {users})"
+        )
     if len({mm.scaled for mm in matmuls}) != 1:
         raise _Reject("mixed matmul kinds (mm/bmm and _scaled_mm) consume it")
     scaled = matmuls[0].scaled
@@ -505,7 +537,9 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             if len(a_scales) != 1:
                 raise _Reject("the matmuls use different A scales")
             a_scale = a_scales.pop()
-            if _tval(a_scale).numel() > 1:  # row-wise [M, 1] -> A_full's rows (the "replicated" mode)
+            if (
+                _tval(a_scale).numel() > 1
+            ):  # row-wise [M, 1] -> A_full's rows (the "replicated" mode)
                 a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
             nodes = [mm.node for mm in matmuls]
             op = torch.ops.mptp.fused_all_gather_scaled_matmul.default
@@ -519,18 +553,32 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         for i, mm in enumerate(matmuls):
             out = b.reshape(b.call(operator.getitem, (outs, i)), _tval(mm.node).shape)
             new_mms.append(b.like(out, _tval(mm.node), mm.node.name))
-        new_A = b.like(b.call(operator.getitem, (fused, 0)), res_val, m.res.name) if need_A else None
+        new_A = (
+            b.like(b.call(operator.getitem, (fused, 0)), res_val, m.res.name) if need_A else None
+        )
     except _Reject:
         b.rollback()
         raise
-    _raise_ancestors(graph, b.new[0], _ancestors([a for mm in matmuls for a in mm.other_args()]) - set(b.new))
+    _raise_ancestors(
+        graph, b.new[0], _ancestors([a for mm in matmuls for a in mm.other_args()]) - set(b.new)
+    )
     expands = [mm.expand for mm in matmuls]
     for mm, new in zip(matmuls, new_mms):
         mm.node.replace_all_uses_with(new)
     if new_A is not None:
         m.res.replace_all_uses_with(new_A)
-    _erase_dead(graph, [*(mm.node for mm in matmuls), *(n for mm in matmuls for n in mm.chain), *m.nodes, *expands])
-    return f"mptp.{op._schema.name.split('::')[1]} ({len(matmuls)} matmul{'s' * (len(matmuls) > 1)})"
+    _erase_dead(
+        graph,
+        [
+            *(mm.node for mm in matmuls),
+            *(n for mm in matmuls for n in mm.chain),
+            *m.nodes,
+            *expands,
+        ],
+    )
+    return (
+        f"mptp.{op._schema.name.split('::')[1]} ({len(matmuls)} matmul{'s' * (len(matmuls) > 1)})"
+    )
 
 
 # ---------------------------------------------------------------- reduce-scatter
@@ -599,7 +647,9 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
         raise _Reject("symbolic shapes")
     K, N = X.shape[-1], _tval(mm.node).shape[-1]
     if C.shape[-1] != N:
-        raise _Reject(f"the matmul output [.., {N}] is regrouped across its last dim into {list(C.shape)}")
+        raise _Reject(
+            f"the matmul output [.., {N}] is regrouped across its last dim into {list(C.shape)}"
+        )
     if C.dim() < 2:
         raise _Reject("the reduce-scattered tensor is 1-D")
     last = m.scatter_dim == C.dim() - 1
@@ -610,7 +660,9 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
             if not last:
                 from ..ops import restride_A_for_fused_matmul_reduce_scatter
 
-                stride = restride_A_for_fused_matmul_reduce_scatter(_tval(A), m.scatter_dim).stride()
+                stride = restride_A_for_fused_matmul_reduce_scatter(
+                    _tval(A), m.scatter_dim
+                ).stride()
                 if tuple(stride) != tuple(_tval(A).stride()):
                     A = b.call(inductor_prims.force_stride_order, (A, list(stride)))
             op = torch.ops.mptp.fused_matmul_reduce_scatter.default
@@ -667,7 +719,9 @@ def _hidden_collectives(graph: fx.Graph, targets) -> set:
         anc[n] = a
     colls = [n for n in nodes if n.target in targets]
     mms = [n for n in nodes if n.op == "call_function" and n.target in _COMPUTE_INTENSIVE]
-    candidates = {c: [x for x in mms if not (anc[x] & bit[c]) and not (anc[c] & bit[x])] for c in colls}
+    candidates = {
+        c: [x for x in mms if not (anc[x] & bit[c]) and not (anc[c] & bit[x])] for c in colls
+    }
     available = {x for xs in candidates.values() for x in xs}
     hidden = set()
     for c in colls:
@@ -706,7 +760,14 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
                 rep.add(what, coll, group, None, False, str(e))
                 continue
             if m is None:
-                rep.add(what, coll, group, None, False, no_match if not coll.users else "unrecognized form")
+                rep.add(
+                    what,
+                    coll,
+                    group,
+                    None,
+                    False,
+                    no_match if not coll.users else "unrecognized form",
+                )
                 continue
             dim = getattr(m, dim_attr)
             if coll in hidden:

@@ -62,7 +62,11 @@ PLUS, MINUS = [3.0, 4.0, 5.0, 6.0], [-3.0, -2.0, -1.0, 0.0]
 
 
 def _run(cache_dir, *scenarios):
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0"}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0",
+    }
     p = subprocess.run([sys.executable, "-c", _SCRIPT, *scenarios], env=env, capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
@@ -76,10 +80,16 @@ def test_two_processes_share_one_cache_dir(tmp_path):
     assert first["plus_fn"]["result"] == PLUS and first["plus_fn"]["bypass"] >= 1
     assert first["plus_v1"]["result"] == PLUS and first["plus_v1"]["miss"] == 1
     # The failure: a second process with another plain-function pass got the first one's graph.
-    assert second["keep_fn"]["result"] == MINUS, "served a graph compiled with another process's pass"
+    assert second["keep_fn"]["result"] == MINUS, (
+        "served a graph compiled with another process's pass"
+    )
     assert second["keep_fn"]["bypass"] >= 1 and second["keep_fn"]["hit"] == 0
-    assert second["keep_v2"]["result"] == MINUS and second["keep_v2"]["hit"] == 0, "a different uuid hit"
-    assert second["plus_v1"]["result"] == PLUS and second["plus_v1"]["hit"] == 1, "the same uuid should hit"
+    assert second["keep_v2"]["result"] == MINUS and second["keep_v2"]["hit"] == 0, (
+        "a different uuid hit"
+    )
+    assert second["plus_v1"]["result"] == PLUS and second["plus_v1"]["hit"] == 1, (
+        "the same uuid should hit"
+    )
     # A list with a plain function in it is uncacheable as a whole.
     for r in (first["plus_fn_list"], second["plus_fn_list"]):
         assert r["result"] == PLUS and r["bypass"] >= 1 and r["hit"] == 0

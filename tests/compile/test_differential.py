@@ -42,7 +42,9 @@ class Case:
     shape: tuple  # the shard (ag) or A (rs)
     dim: int  # gather_dim (ag) or scatter_dim of C (rs)
     pre: str  # how the matmul is written
-    post: Post = "none"  # what follows the matmul (ag) / what the matmul result becomes before the rs
+    post: Post = (
+        "none"  # what follows the matmul (ag) / what the matmul result becomes before the rs
+    )
     extra: str = ""  # extra users of intermediate values
     N: int = 8
     op: str = "sum"
@@ -61,8 +63,26 @@ class Case:
 NAMED = [
     # Issue 11 item 1: the output regroups the gathered tensor's leading dims.
     Case("ag", (2, 4, 32), 1, "flatten01", "heads", N=16, expect=1, name="item1a_sp_heads"),
-    Case("ag", (2, 16, 32), 0, "reshape", ("to", (8, 8, 16)), N=16, expect=1, name="item1b_ag_regroup"),
-    Case("rs", (4, 16, 32), 0, "reshape", ("to", (8, 8, 16)), N=16, expect=1, name="item1c_rs_regroup"),
+    Case(
+        "ag",
+        (2, 16, 32),
+        0,
+        "reshape",
+        ("to", (8, 8, 16)),
+        N=16,
+        expect=1,
+        name="item1b_ag_regroup",
+    ),
+    Case(
+        "rs",
+        (4, 16, 32),
+        0,
+        "reshape",
+        ("to", (8, 8, 16)),
+        N=16,
+        expect=1,
+        name="item1c_rs_regroup",
+    ),
     # Item 4: the last dims.
     Case("ag", (4, 8), 1, "mm", expect=1, name="ag_last_2d"),
     Case("ag", (2, 3, 8), 2, "matmul", extra="mm_user", expect=1, name="ag_last_3d"),
@@ -77,16 +97,45 @@ NAMED = [
     Case("rs", (2, 4, 8), 1, "bmm", "none", expect=1, name="rs_bmm_broadcast"),
     # FP8.
     Case("ag", (4, 16), 0, "scaled", N=16, expect=1, name="ag_scaled_tensor"),
-    Case("ag", (2, 2, 16), 1, "scaled", "restore", N=16, scale="row", expect=1, name="ag_scaled_row_3d"),
+    Case(
+        "ag",
+        (2, 2, 16),
+        1,
+        "scaled",
+        "restore",
+        N=16,
+        scale="row",
+        expect=1,
+        name="ag_scaled_row_3d",
+    ),
     Case("ag", (4, 16), 1, "scaled", N=16, expect=0, name="ag_scaled_last"),
-    Case("rs", (4, 4, 16), 1, "scaled", "restore", N=16, scale="row", expect=1, name="rs_scaled_row_3d"),
+    Case(
+        "rs",
+        (4, 4, 16),
+        1,
+        "scaled",
+        "restore",
+        N=16,
+        scale="row",
+        expect=1,
+        name="rs_scaled_row_3d",
+    ),
     # Not provably the same: must stay unfused.
     Case("ag", (2, 3, 8), 1, "transpose", expect=0, name="ag_transposed"),
     Case("rs", (4, 8), 0, "mm", extra="mm_user", expect=0, name="rs_mm_user"),
     Case("rs", (4, 8), 1, "mm", "transpose", expect=0, name="rs_transposed"),
     Case("rs", (4, 8), 0, "mm", "split_N", expect=0, name="rs_regroup_N"),
     # Extra users.
-    Case("ag", (2, 3, 8), 1, "reshape", "regroup", extra="two_B+A_user", expect=1, name="ag_two_B_A_user"),
+    Case(
+        "ag",
+        (2, 3, 8),
+        1,
+        "reshape",
+        "regroup",
+        extra="two_B+A_user",
+        expect=1,
+        name="ag_two_B_A_user",
+    ),
     Case("ag", (2, 4, 8), 0, "reshape", "relu", extra="pre_user", expect=1, name="ag_pre_user"),
 ]
 
@@ -114,9 +163,15 @@ def _random_cases(seed, n):
             pre = rng.choice(["mm", "matmul", "reshape"] + (["bmm"] if nd == 3 else []))
         post = rng.choice(["none", "restore", "regroup", "split_N", "transpose", "relu", "heads"] if kind == "ag"
                           else ["none", "restore", "regroup", "split_N", "transpose"])  # fmt: skip
-        extras = ["", "", "mm_user", "A_user", "pre_user", "two_B"] if kind == "ag" else ["", "", "mm_user", "out_user"]
+        extras = (
+            ["", "", "mm_user", "A_user", "pre_user", "two_B"]
+            if kind == "ag"
+            else ["", "", "mm_user", "out_user"]
+        )
         # NOTE: reduce_op "avg" is not drawn: gloo has no AVG, so the unfused graph could not run.
-        case = Case(kind, shape, dim, pre, post, rng.choice(extras), N, "sum", rng.choice(["tensor", "row"]))
+        case = Case(
+            kind, shape, dim, pre, post, rng.choice(extras), N, "sum", rng.choice(["tensor", "row"])
+        )
         if _valid(case):
             out.append(case)
     return out
@@ -198,36 +253,36 @@ def _build(c: Case, group, W, rank, seed, trace_only=False):
             return torch._scaled_mm(A.reshape(-1, k), B, sa, sb, out_dtype=torch.float32)
         raise AssertionError(c.pre)
 
-    def post(O, lead):
+    def post(P, lead):
         p = c.post
         if isinstance(p, tuple):
-            return O.reshape(p[1])
+            return P.reshape(p[1])
         if p == "none":
-            return O
+            return P
         if p == "restore":
-            return O.reshape(*lead, O.shape[-1])
+            return P.reshape(*lead, P.shape[-1])
         if p == "regroup":
-            return O.reshape(2, -1, O.shape[-1])
+            return P.reshape(2, -1, P.shape[-1])
         if p == "split_N":
-            return O.reshape(*O.shape[:-1], 2, O.shape[-1] // 2)
+            return P.reshape(*P.shape[:-1], 2, P.shape[-1] // 2)
         if p == "heads":
-            return O.reshape(*lead, 2, O.shape[-1] // 2)
+            return P.reshape(*lead, 2, P.shape[-1] // 2)
         if p == "transpose":
-            return O.transpose(0, 1)
+            return P.transpose(0, 1)
         if p == "relu":
-            return torch.relu(O)
+            return torch.relu(P)
         raise AssertionError(p)
 
     if c.kind == "ag":
 
         def fn(x, B1, B2):
             A = all_gather(x, c.dim)
-            O = matmul(A, B1)
-            outs = [post(O, A.shape[:-1])]
+            P = matmul(A, B1)
+            outs = [post(P, A.shape[:-1])]
             if "two_B" in c.extra:
                 outs.append(post(matmul(A, B2), A.shape[:-1]))
             if "mm_user" in c.extra:
-                outs.append(O.sum(0))
+                outs.append(P.sum(0))
             if "A_user" in c.extra:
                 outs.append(A.float() * 2)
             if "pre_user" in c.extra:
@@ -237,11 +292,11 @@ def _build(c: Case, group, W, rank, seed, trace_only=False):
     else:
 
         def fn(x, B1, B2):
-            O = matmul(x, B1)
-            out = reduce_scatter(post(O, x.shape[:-1]), c.dim)
+            P = matmul(x, B1)
+            out = reduce_scatter(post(P, x.shape[:-1]), c.dim)
             outs = [out]
             if "mm_user" in c.extra:
-                outs.append(O * 3)
+                outs.append(P * 3)
             if "out_user" in c.extra:
                 outs.append(out * 2)
             return tuple(outs)
@@ -330,7 +385,9 @@ def _batches(cases):
 
 
 def test_with_and_without_the_pass_agree(workers2):
-    print(f"\nmptp differential: MPTP_DIFF_SEED={SEED} ({len(NAMED)} named + {N_RANDOM} random cases)")
+    print(
+        f"\nmptp differential: MPTP_DIFF_SEED={SEED} ({len(NAMED)} named + {N_RANDOM} random cases)"
+    )
     named = [c for c in NAMED if _valid(c)]
     assert len(named) == len(NAMED), [str(c) for c in NAMED if not _valid(c)]
     randoms = _random_cases(SEED, N_RANDOM)
@@ -345,7 +402,9 @@ def test_with_and_without_the_pass_agree(workers2):
                 if fused is not None and expect is not None and fused != expect:
                     failures.append(f"rank {rank}: batch starting at {desc}: fused {fused}, expected {expect}:\n    "
                                     + "\n    ".join(decisions))  # fmt: skip
-    print(f"mptp differential: the pass fused {fused_random} of the {len(randoms)} random cases' collectives")
+    print(
+        f"mptp differential: the pass fused {fused_random} of the {len(randoms)} random cases' collectives"
+    )
     assert not failures, f"MPTP_DIFF_SEED={SEED}\n" + "\n".join(failures)
 
 

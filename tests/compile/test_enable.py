@@ -108,10 +108,15 @@ def test_list_valued_user_pass_runs_under_compile():
         x = torch.randn(8)
         torch.testing.assert_close(_compile_run(_f, x), _f(x))
     assert seen == ["fn", "tagged"]
-    assert isinstance(cfg.post_grad_custom_post_pass, list) and len(cfg.post_grad_custom_post_pass) == 2
+    assert (
+        isinstance(cfg.post_grad_custom_post_pass, list)
+        and len(cfg.post_grad_custom_post_pass) == 2
+    )
 
 
-@pytest.mark.skipif(InferenceAware is None, reason="this torch has no CustomInferenceAwareGraphPass")
+@pytest.mark.skipif(
+    InferenceAware is None, reason="this torch has no CustomInferenceAwareGraphPass"
+)
 def test_inference_aware_user_pass_gets_is_inference():
     seen = []
 
@@ -145,7 +150,9 @@ def test_enable_twice_does_not_chain_itself_and_nests():
         with mptp_kernels.enable_micro_pipeline_tp():
             p = cfg.post_grad_custom_post_pass
             assert isinstance(p, MicroPipelineTPPass) and p.chained is None
-        assert isinstance(cfg.post_grad_custom_post_pass, MicroPipelineTPPass), "inner exit disabled the outer block"
+        assert isinstance(cfg.post_grad_custom_post_pass, MicroPipelineTPPass), (
+            "inner exit disabled the outer block"
+        )
     assert cfg.post_grad_custom_post_pass is None
 
 
@@ -195,8 +202,13 @@ def test_explain_reports_each_collective(fake4):
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(C, "sum", W, fake4))
         return out, C.sum()  # the matmul result has another user: not fused
 
-    decisions = mptp_kernels.explain(fn, torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 8))
-    assert [(d.kind, d.fused) for d in decisions] == [("all-gather", True), ("reduce-scatter", False)]
+    decisions = mptp_kernels.explain(
+        fn, torch.randn(4, 16), torch.randn(16, 16), torch.randn(16, 8)
+    )
+    assert [(d.kind, d.fused) for d in decisions] == [
+        ("all-gather", True),
+        ("reduce-scatter", False),
+    ]
     assert "fused_all_gather_matmul" in decisions[0].detail
     assert "other users" in decisions[1].detail
     assert cfg.post_grad_custom_post_pass is None, "explain left the pass installed"

@@ -53,7 +53,10 @@ def _trace(fn, *args):
 
 def _layouts(gm):
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    return [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in (a.meta["val"] for a in tree_leaves(out.args))]
+    return [
+        (tuple(v.shape), tuple(v.stride()), v.dtype)
+        for v in (a.meta["val"] for a in tree_leaves(out.args))
+    ]
 
 
 def _run_pass(gm):
@@ -157,7 +160,9 @@ def test_issue_item1_regrouped_leading_dims(fake4, group, case):
     _check_numerics(f1, args1)
 
 
-@pytest.mark.parametrize("form", ["view", "flatten_unflatten", "reshape_chain", "squeeze_unsqueeze"])
+@pytest.mark.parametrize(
+    "form", ["view", "flatten_unflatten", "reshape_chain", "squeeze_unsqueeze"]
+)
 def test_all_gather_reshape_forms(fake4, form):
     def f(x, B):
         A = _ag(x, W4, fake4, 0)  # [8, 4, 16]
@@ -241,9 +246,17 @@ def test_all_gather_type_erased_fp8_dim1_3d(fake4):
         raw = shard.view(torch.uint8)
         out = c10d.wait_tensor(c10d.all_gather_into_tensor(raw.contiguous(), W4, fake4))
         A = torch.cat([p.view(FP8) for p in torch.split(out, raw.shape[0], 0)], dim=1)
-        return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(2, 12, 16)
+        return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(
+            2, 12, 16
+        )
 
-    gm = _trace(f, torch.randn(2, 3, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    gm = _trace(
+        f,
+        torch.randn(2, 3, 32).to(FP8),
+        torch.randn(16, 32).to(FP8).t(),
+        torch.tensor(1.0),
+        torch.tensor(1.0),
+    )
     assert _run_pass(gm) == 1
     (fused,) = _fused(gm, mptp.fused_all_gather_scaled_matmul)
     assert fused.args[4] == 1
@@ -254,7 +267,13 @@ def test_scaled_all_gather_last_dim_not_fused(fake4):
         A = _ag(shard, W4, fake4, 1)
         return torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
 
-    gm = _trace(f, torch.randn(16, 16).to(FP8), torch.randn(16, 64).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    gm = _trace(
+        f,
+        torch.randn(16, 16).to(FP8),
+        torch.randn(16, 64).to(FP8).t(),
+        torch.tensor(1.0),
+        torch.tensor(1.0),
+    )
     assert _run_pass(gm) == 0
 
 
@@ -291,7 +310,9 @@ def test_reduce_scatter_last_dim_2d_slices(fake4):
 def test_reduce_scatter_pieces_out_of_order_not_fused(fake4):
     def f(A, B):
         C = A @ B
-        x = torch.cat(list(reversed(torch.split(C, 4, 1))), 0)  # not what a reduce-scatter on dim 1 sends
+        x = torch.cat(
+            list(reversed(torch.split(C, 4, 1))), 0
+        )  # not what a reduce-scatter on dim 1 sends
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", W4, fake4))
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 16))
@@ -335,7 +356,13 @@ def test_scaled_reduce_scatter(fake4):
     def f(A, B, sa, sb):
         return _rs(torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16), W4, fake4)
 
-    gm = _trace(f, torch.randn(8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    gm = _trace(
+        f,
+        torch.randn(8, 32).to(FP8),
+        torch.randn(16, 32).to(FP8).t(),
+        torch.tensor(1.0),
+        torch.tensor(1.0),
+    )
     assert _run_pass(gm) == 1
     assert mptp.fused_scaled_matmul_reduce_scatter.default in _targets(gm)
 
@@ -343,10 +370,17 @@ def test_scaled_reduce_scatter(fake4):
 @pytest.mark.parametrize("scatter_dim", [0, 1, 2])
 def test_scaled_reduce_scatter_3d_reshape(fake4, group, scatter_dim):
     def f(A, B, sa, sb, W, g):
-        C = torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(4, 8, 16)
+        C = torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(
+            4, 8, 16
+        )
         return _rs(C, W, g, scatter_dim)
 
-    args = (torch.randn(4, 8, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
+    args = (
+        torch.randn(4, 8, 32).to(FP8),
+        torch.randn(16, 32).to(FP8).t(),
+        torch.tensor(1.0),
+        torch.tensor(1.0),
+    )
     gm = _trace(lambda *a: f(*a, W4, fake4), *args)
     assert _run_pass(gm) == 1
     (fused,) = _fused(gm, mptp.fused_scaled_matmul_reduce_scatter)
@@ -362,10 +396,14 @@ def test_negative_mixed_matmul_kinds(fake4):
 
     def g(shard, B, sa, sb):
         A = _ag(shard, W4, fake4)
-        return torch.mm(A.float(), B.float()), torch._scaled_mm(A, B, sa, sb, out_dtype=torch.bfloat16)
+        return torch.mm(A.float(), B.float()), torch._scaled_mm(
+            A, B, sa, sb, out_dtype=torch.bfloat16
+        )
 
     gm = _trace(g, shard, torch.randn(16, 32).to(FP8).t(), torch.tensor(1.0), torch.tensor(1.0))
-    assert _run_pass(gm) == 1  # A.float() is no reshape: the mm is no consumer; the _scaled_mm fuses
+    assert (
+        _run_pass(gm) == 1
+    )  # A.float() is no reshape: the mm is no consumer; the _scaled_mm fuses
 
 
 def test_negative_B_depends_on_collective(fake4):
@@ -423,7 +461,13 @@ def test_reorder_one_matmul_hides_one_collective(fake4):
         C2 = torch.mm(_ag(C1, W4, fake4), B2)  # depends on the first
         return C2, torch.mm(X, Y)
 
-    args = (torch.randn(8, 16), torch.randn(16, 8), torch.randn(8, 4), torch.randn(8, 8), torch.randn(8, 8))
+    args = (
+        torch.randn(8, 16),
+        torch.randn(16, 8),
+        torch.randn(8, 4),
+        torch.randn(8, 8),
+        torch.randn(8, 8),
+    )
     gm = _trace(f, *args)
     with torch._inductor.config.patch(reorder_for_compute_comm_overlap=True):
         with micro_pipeline.recording([]) as decisions:
@@ -470,13 +514,22 @@ def test_numerics_unchanged_world_size_1(group, dim):
         y = _rs(torch.matmul(A2, B2), 1, group, dim)
         return x, y
 
-    _check_numerics(f, (torch.randn(2, 3, 16), torch.randn(16, 4), torch.randn(2, 4, 8), torch.randn(8, 5)), 2)
+    _check_numerics(
+        f, (torch.randn(2, 3, 16), torch.randn(16, 4), torch.randn(2, 4, 8), torch.randn(8, 5)), 2
+    )
 
 
 def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
     def f(shard, B, sa, sb):
         A = _ag(shard.view(torch.uint8), 1, group).view(FP8)
-        return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(2, 3, 16)
+        return torch._scaled_mm(A.reshape(-1, 32), B, sa, sb, out_dtype=torch.bfloat16).reshape(
+            2, 3, 16
+        )
 
-    args = (torch.randn(2, 3, 32).to(FP8), torch.randn(16, 32).to(FP8).t(), torch.rand(6, 1) + 0.5, torch.rand(1, 16) + 0.5)
+    args = (
+        torch.randn(2, 3, 32).to(FP8),
+        torch.randn(16, 32).to(FP8).t(),
+        torch.rand(6, 1) + 0.5,
+        torch.rand(1, 16) + 0.5,
+    )
     _check_numerics(f, args)

@@ -9,7 +9,6 @@ the generated code calls torch.ops.mptp.
 import pytest
 import torch
 import torch.distributed as dist
-
 from utils import randn
 
 FP8 = torch.float8_e4m3fn
@@ -31,7 +30,11 @@ def _tp_mlp(seed, seq_dim):
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import mptp_kernels
 

@@ -28,9 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from utils import assert_matmul_close, randn
 
 from dist.harness import Workers
-from utils import assert_matmul_close, randn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 SEED = random.randrange(1 << 30)
