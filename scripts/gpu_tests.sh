@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build, then GPU test groups in parallel (they share the GPU), logs to $OUT.
-# Usage: GROUPS_A="dist/test_safety_gpu.py ..." GROUPS_B="kernels" bash scripts/gpu_tests.sh
+# Usage: GROUP_A="dist/test_safety_gpu.py -k '\"a or b\"'" GROUP_B="kernels" bash scripts/gpu_tests.sh (each group is eval'd)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ i=0
 for group in "${GROUP_A:-}" "${GROUP_B:-}" "${GROUP_C:-}"; do
   [ -z "$group" ] && continue
   i=$((i+1))
-  (cd tests && timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -rfE -p no:cacheprovider --durations=15 $group > "$OUT/tests_$i.log" 2>&1; echo "exit $?" >> "$OUT/tests_$i.log") &
+  (cd tests && eval "timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -rfE -p no:cacheprovider --durations=15 $group" > "$OUT/tests_$i.log" 2>&1; echo "exit $?" >> "$OUT/tests_$i.log") &
 done
 wait
 for f in "$OUT"/tests_*.log; do echo "== $f"; tail -25 "$f"; done
