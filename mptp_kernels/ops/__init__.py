@@ -67,6 +67,11 @@ def fused_all_gather_scaled_matmul(
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """FP8 all-gather-matmul: `_scaled_mm(all_gather(A), B_i, A_scale, B_scales[i], ...)`.
 
+    Forward-only: backpropagating through it raises (no FP8 backward is defined).
+    FP8 outputs (out_dtypes e4m3fn / e5m2, or None: A's dtype) are
+    `(A_scale * B_scale * A @ B + bias) * result_scale`, saturated to the FP8 range,
+    on every device (see mptp_kernels.ops.reference.scaled_mm).
+
     Args:
         A: [*S, K] float8_e4m3fn shard. A_scale: float32, one element
             (tensor-wise), [*S[:-1], 1] (row-wise, sharded with A) or
@@ -121,6 +126,8 @@ def fused_scaled_matmul_reduce_scatter(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """FP8 matmul-reduce-scatter: reduce_scatter(_scaled_mm(A, B, A_scale, B_scale, ...)).
+
+    Forward-only: backpropagating through it raises (no FP8 backward is defined).
 
     Args:
         A: [*S, K] float8_e4m3fn; A_scale: one element or [*S, 1] float32.
