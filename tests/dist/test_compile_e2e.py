@@ -1,9 +1,10 @@
 """torch.compile end to end on 2 gloo processes (CPU) with the mptp pass enabled.
 
 A tensor-parallel MLP built with DTensor's parallelize_module (column-parallel
-up, row-parallel down, sequence-parallel activations) and an FP8 _scaled_mm
-MLP written with functional collectives: the compiled result equals eager, and
-the generated code calls torch.ops.mptp.
+up, row-parallel down, sequence-parallel activations), in inference and in a
+training step (the backward graph's all-gather fuses too), and an FP8 _scaled_mm
+MLP written with functional collectives: the compiled result (and gradients)
+equal eager, and the generated code calls torch.ops.mptp.
 """
 
 import pytest
@@ -20,14 +21,28 @@ def _compile_and_code(fn, *args):
     import mptp_kernels
 
     torch._dynamo.reset()
-    with mptp_kernels.enable_micro_pipeline_tp():
+    # NOTE: no cache hit may skip the pass (or the code the test reads).
+    with (
+        mptp_kernels.enable_micro_pipeline_tp(),
+        torch._inductor.config.patch(force_disable_caches=True),
+    ):
         compiled = torch.compile(fn, fullgraph=True)
         out, codes = run_and_get_code(compiled, *args)
     return out, "\n".join(codes)
 
 
-def _tp_mlp(seed, seq_dim):
-    import torch.nn as nn
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64, bias=False)
+        self.down = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _parallel_mlp(seed, seq_dim):
+    """The same MLP (seeded) on every call, column-/row-parallel over the world, sequence-sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
@@ -38,27 +53,59 @@ def _tp_mlp(seed, seq_dim):
 
     import mptp_kernels
 
-    W, r = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (W,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
     torch.manual_seed(seed)
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Linear(32, 64, bias=False)
-            self.down = nn.Linear(64, 32, bias=False)
-
-        def forward(self, x):
-            return self.down(torch.relu(self.up(x)))
-
     model = MLP()
     parallelize_module(model, mesh, {
         "up": ColwiseParallel(input_layouts=Shard(seq_dim)),
         "down": RowwiseParallel(output_layouts=Shard(seq_dim)),
     })  # fmt: skip
+    return model
+
+
+def _sharded_input(seed, seq_dim):
+    W, r = dist.get_world_size(), dist.get_rank()
     full = randn((2, 8 * W, 32), seed + 1) if seq_dim == 1 else randn((8 * W, 32), seed + 1)
-    x = full.chunk(W, dim=seq_dim)[r].contiguous()
+    return full.chunk(W, dim=seq_dim)[r].contiguous()
+
+
+def _tp_mlp_train(seed, seq_dim):
+    import mptp_kernels
+    from mptp_kernels.compile.micro_pipeline import recording
+
+    eager_model, model = _parallel_mlp(seed, seq_dim), _parallel_mlp(seed, seq_dim)
+    x = _sharded_input(seed, seq_dim)
+    eager = eager_model(x)
+    eager.square().sum().backward()
+    torch._dynamo.reset()
+    decisions = []
+    cfg = torch._inductor.config
+    with (
+        mptp_kernels.enable_micro_pipeline_tp(),
+        cfg.patch(force_disable_caches=True),
+        recording(decisions),
+    ):
+        out = torch.compile(model)(x)
+        out.square().sum().backward()  # the backward graph compiles here, with the pass
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), eager_model.named_parameters()):
+        torch.testing.assert_close(
+            p.grad.to_local(), q.grad.to_local(), rtol=1e-4, atol=1e-5, msg=name
+        )
+    # forward: the all-gather and the reduce-scatter; backward: the all-gather of down's output grad
+    kinds = [(d.kind, d.fused) for d in decisions]
+    assert kinds == [("all-gather", True), ("reduce-scatter", True), ("all-gather", True)], kinds
+
+
+@pytest.mark.parametrize("seq_dim", [0, 1])
+def test_tp_mlp_training_step_compiled_with_pass(workers2, seq_dim):
+    workers2.run(_tp_mlp_train, 4321, seq_dim, timeout_s=900)
+
+
+def _tp_mlp(seed, seq_dim):
+    model = _parallel_mlp(seed, seq_dim)
+    x = _sharded_input(seed, seq_dim)
     with torch.no_grad():
         eager = model(x)
         out, code = _compile_and_code(model, x)
