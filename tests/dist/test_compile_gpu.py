@@ -74,7 +74,8 @@ def _tp(model, device):
     mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
     plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
-    return parallelize_module(model, mesh, plan)
+    # src_data_rank=None: every rank holds the full weights (gloo cannot scatter CUDA tensors).
+    return parallelize_module(model, mesh, plan, src_data_rank=None)
 
 
 def _local(t):
