@@ -43,13 +43,15 @@ import contextlib
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.fx as fx
 from torch._inductor import inductor_prims
 
 from .. import env
+
+__all__ = ["Decision", "micro_pipeline_pass", "recording"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -537,9 +539,8 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             if len(a_scales) != 1:
                 raise _Reject("the matmuls use different A scales")
             a_scale = a_scales.pop()
-            if (
-                _tval(a_scale).numel() > 1
-            ):  # row-wise [M, 1] -> A_full's rows (the "replicated" mode)
+            # Row-wise [M, 1] -> one row per row of A_full (the op's "replicated" mode).
+            if _tval(a_scale).numel() > 1:
                 a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
             nodes = [mm.node for mm in matmuls]
             op = torch.ops.mptp.fused_all_gather_scaled_matmul.default
@@ -786,6 +787,3 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
             stacklevel=2,
         )
     return rep.fused
-
-
-__all__: List[Any] = ["Decision", "micro_pipeline_pass", "recording"]
