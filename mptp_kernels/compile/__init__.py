@@ -40,7 +40,9 @@ __all__ = [
     "micro_pipeline_pass",
 ]
 
-# torch >= 2.9 calls these with is_inference; older torch has no such class.
+# Inductor calls these with is_inference (pytorch#171049, merged 2026-02); older torch has no
+# such class. Lists in the slot are Inductor's only since pytorch#184108 (2026-05): the wrapper
+# runs them itself, so they work on every torch this package supports.
 _InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
