@@ -522,7 +522,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     b = _Builder(graph, m.ag, _fake_mode([m.shard, m.res]))
     try:
         shard = m.shard
-        if not last:
+        if not last:  # the last dim is concatenated along K: nothing to move (as PyTorch)
             from ..ops import restride_A_shard_for_fused_all_gather_matmul
 
             stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
@@ -658,6 +658,8 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
     try:
         if not mm.scaled:
             A = b.reshape(mm.A, [*C.shape[:-1], K])
+            # NOTE: the last (N) dim is scattered by splitting B's columns, so A keeps its layout
+            # (PyTorch's helper would move K outermost: a copy into a column-major A for nothing).
             if not last:
                 from ..ops import restride_A_for_fused_matmul_reduce_scatter
 
