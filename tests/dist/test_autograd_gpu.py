@@ -188,6 +188,10 @@ def _tp(model, device, fused):
         else (ColwiseParallel, RowwiseParallel)
     )
     mesh = init_device_mesh(device, (dist.get_world_size(),))
+    if fused:  # the mesh's group is a new process group: enable it (as a user does)
+        import mptp_kernels
+
+        mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
     for block in model:
         plan = {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
                 "down": row(output_layouts=Shard(1))}  # fmt: skip

@@ -128,9 +128,13 @@ def _ag_scaled(seed, mode, scale_mode, out_dtype, gd):
             ref = ref * rs.double()
         want = out_dtype or FP8
         assert out.dtype == want, (out.dtype, want)
-        eager = torch._scaled_mm(full.flatten(0, -2).to(dev), B.to(dev), full_scale.flatten(0, -2).to(dev)
-                                 if scale_mode == "row" else full_scale.to(dev), bs.to(dev), scale_result=cu(rs),
-                                 out_dtype=want, use_fast_accum=bool(j) and dev == "cuda")
+        # The unfused computation as the ops define _scaled_mm (torch 2.11's CPU _scaled_mm has no
+        # row-wise scales; CUDA's ignores scale_result in 2.10-2.11): reference.scaled_mm.
+        from mptp_kernels.ops.reference import scaled_mm
+
+        eager = scaled_mm(full.flatten(0, -2).to(dev), B.to(dev), full_scale.flatten(0, -2).to(dev)
+                          if scale_mode == "row" else full_scale.to(dev), bs.to(dev), None, cu(rs), want,
+                          bool(j) and dev == "cuda")
         eager = eager.unflatten(0, full.shape[:-1]).cpu()
         assert_matmul_close(out.cpu().float(), ref, eager.float(), k=2.0, atol=2e-3, what=f"outs[{j}]")
     _log(mode, W, f"all_gather_scaled_matmul {scale_mode}-wise out={out_dtype} gather_dim={gd}", took)
@@ -182,9 +186,11 @@ def _rs_scaled(seed, mode, scale_mode, out_dtype, sd):
     B = (randn((N, 32), seed + 99) * 2).to(FP8).t()
     parts = [(a.double() * s.double()) @ (B.double() * B_scale.double()) for a, s in zip(As, scales)]
     ref = sum(parts).chunk(W, dim=sd)[r]
+    from mptp_kernels.ops.reference import scaled_mm
+
     eager = sum(
-        torch._scaled_mm(a.flatten(0, -2).to(dev), B.to(dev), s.flatten(0, -2).to(dev) if s.numel() > 1 else s.to(dev),
-                         B_scale.to(dev), out_dtype=out_dtype).double().cpu().unflatten(0, shape[:-1])
+        scaled_mm(a.flatten(0, -2).to(dev), B.to(dev), s.flatten(0, -2).to(dev) if s.numel() > 1 else s.to(dev),
+                  B_scale.to(dev), out_dtype=out_dtype).double().cpu().unflatten(0, shape[:-1])
         for a, s in zip(As, scales)).chunk(W, dim=sd)[r]  # fmt: skip
     before = _paths()
     out = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
