@@ -33,6 +33,18 @@ def globaltimer():
 
 
 @triton.jit
+def _elapsed_ns(start):
+    """globaltimer() - start, the same value in every thread of the program.
+
+    NOTE: each thread reads %globaltimer itself, so a branch on the raw value can split
+    a program's threads, and the atomics below (one thread issues, a barrier broadcasts)
+    would then hang at mismatched barriers. The block-wide max makes the branch uniform.
+    """
+    t = tl.full([1024], 0, tl.int64) + (globaltimer() - start)
+    return tl.max(t, axis=0)
+
+
+@triton.jit
 def signal_release(ptr, value):
     """*ptr = value with release semantics, system scope."""
     tl.atomic_xchg(ptr, value, sem="release", scope="sys")
@@ -57,9 +69,10 @@ def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag):
         while seen < value:
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             if seen < value:
-                if tl.load(err_ptr, volatile=True) != 0:
+                # NOTE: an atomic read is broadcast to every thread (a volatile load is not).
+                if tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys") != 0:
                     seen = value  # an earlier wait of this process failed
-                elif globaltimer() - start > timeout_ns:
+                elif _elapsed_ns(start) > timeout_ns:
                     if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
                         tl.store(err_ptr + 1, -1)
                         tl.store(err_ptr + 2, peer)

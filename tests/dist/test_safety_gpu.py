@@ -363,13 +363,17 @@ def _fp8_out(seed, fp8_out):
     eager = scaled_mm(full, B.cuda(), a_s.cuda(), b_s.cuda(), None, rs.cuda(), fp8_out)
     assert out.dtype == fp8_out
     assert torch.equal(A_out.view(torch.uint8), full.view(torch.uint8))
-    # At most 1 FP8 ulp apart (fp32 accumulation order differs from cuBLAS).
-    diff = (out.float() - eager.float()).abs()
-    tol = eager.float().abs() * (0.125 if fp8_out == FP8 else 0.25) + 1e-3
-    bad = (diff > tol).nonzero()
+    # At most 1 FP8 ulp apart: the fp32 accumulation order differs from cuBLAS, which can move a
+    # value across a rounding midpoint (seen on the H200: -0.0 vs -2**-9, the smallest subnormal).
+    def ordered(x):
+        b = x.view(torch.uint8).to(torch.int32)
+        return torch.where(b >= 0x80, -(b & 0x7F), b & 0x7F)
+
+    ulps = (ordered(out) - ordered(eager)).abs()
+    bad = (ulps > 1).nonzero()
     assert bad.numel() == 0, (f"{bad.shape[0]} of {out.numel()} differ by more than 1 FP8 ulp; first at "
                               f"{bad[0].tolist()}: ours {out.float()[tuple(bad[0])].item()} vs "
-                              f"{eager.float()[tuple(bad[0])].item()}, rows per rank {shards[0].shape[0]}")
+                              f"{eager.float()[tuple(bad[0])].item()}")
 
 
 @pytest.mark.parametrize("fp8_out", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
