@@ -16,6 +16,8 @@ def _name(group: Union[str, "dist.ProcessGroup", None]) -> str:
                 "first, or pass group="
             )
         group = dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # new_group() on a non-member
+        raise ValueError("group: this rank is not a member of that process group (GroupMember.NON_GROUP_MEMBER)")
     if not hasattr(group, "group_name"):
         raise ValueError(f"group: expected a ProcessGroup, its group_name, or None, got {type(group).__name__}")
     return group.group_name

@@ -12,6 +12,7 @@ disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 """
 
 import struct
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
@@ -37,7 +38,11 @@ _HEAD = struct.Struct("<5q")  # op, fusable, need, n_must, n_free
 
 
 def dtype_code(d) -> int:
-    return _DTYPES.index(d) if d in _DTYPES else 99
+    """A code that differs for every pair of dtypes (the same on every rank)."""
+    if d in _DTYPES:
+        return _DTYPES.index(d)
+    # NOTE: one shared code for every other dtype let complex64 vs complex128 through (gloo aborts).
+    return 1000 + zlib.crc32(str(d).encode())
 
 
 def shape_fields(name: str, shape: Sequence[int]) -> List[Tuple[str, int]]:
@@ -57,8 +62,12 @@ class Call:
     error: Optional[str] = None
 
     def encode(self) -> bytes:
-        head = _HEAD.pack(OPS.index(self.op), int(self.fusable), int(self.need), len(self.must), len(self.free))
-        vals = [v for _, v in self.must] + [v for _, v in self.free]
+        # The free fields are informative only (never compared): keep as many as fit in the payload,
+        # so a call with many Bs still fits (it overflowed the payload past ~55 Bs).
+        room_free = max((PAYLOAD_BYTES - _HEAD.size - 8 * len(self.must)) // 8, 0)
+        free = self.free[:room_free]
+        head = _HEAD.pack(OPS.index(self.op), int(self.fusable), int(self.need), len(self.must), len(free))
+        vals = [v for _, v in self.must] + [v for _, v in free]
         body = struct.pack(f"<{len(vals)}q", *vals)
         room = PAYLOAD_BYTES - len(head) - len(body)
         err = (self.error or "").encode(errors="replace")[: max(room, 0)]
@@ -97,6 +106,14 @@ def _describe(d: Decoded, names: List[str]) -> str:
 def _pretty(name: str, v: int) -> str:
     if name.endswith("dtype") and 0 <= v < len(_DTYPES):
         return str(_DTYPES[v]).replace("torch.", "")
+    if name.endswith("dtype") and v >= 1000:
+        for d in vars(torch).values():
+            if isinstance(d, torch.dtype) and dtype_code(d) == v:
+                return str(d).replace("torch.", "")
+    if name == "A_scale.mode":
+        from .validate import ScaleMode
+
+        return list(ScaleMode)[v].value if 0 <= v < len(ScaleMode) else str(v)
     if name == "reduce_op":
         return ("sum", "avg")[v] if v in (0, 1) else str(v)
     return str(v)

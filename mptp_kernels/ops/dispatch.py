@@ -94,7 +94,9 @@ def describe(name: str, args, kwargs, W: int) -> Call:
                                                     out_dtypes, fast, gd, W)  # fmt: skip
             for d in out_dtypes:
                 validate.to_dtype(d)
-            must += [("A_scale.mode", list(validate.ScaleMode).index(mode))]
+            # A row-wise sharded A_scale travels with A: its dtype must agree too (gloo aborts otherwise).
+            must += [("A_scale.mode", list(validate.ScaleMode).index(mode)),
+                     ("A_scale.dtype", dtype_code(A_scale.dtype))]
             if mode == validate.ScaleMode.ROW_WISE_SHARDED:
                 need = _ceil256(need) + A_scale.numel() * 4
         return Call(name, must, free, need=need)
@@ -105,12 +107,13 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         A_scale, B_scale, orig_sd, sd_after, group_name, output_shape, bias, result_scale, out_dtype = (
             args[2], args[3], args[5], args[6], args[7], args[8], *args[9:12])  # fmt: skip
         validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
-        validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
+        validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
         out_dtype = validate.to_dtype(out_dtype) or A.dtype
         out_shape = list(output_shape) if output_shape is not None else [*A.shape[:-1], B.shape[1]]
-        if math.prod(out_shape) != A.numel() // max(A.shape[-1], 1) * B.shape[1] or out_shape[-1] != B.shape[1]:
+        rows = math.prod(A.shape[:-1])  # NOTE: not A.numel() // K, which is 0 when K == 0
+        if math.prod(out_shape) != rows * B.shape[1] or out_shape[-1] != B.shape[1]:
             raise ValueError(
-                f"output_shape: expected {B.shape[1]} last and {A.numel() // max(A.shape[-1], 1) * B.shape[1]} "
+                f"output_shape: expected {B.shape[1]} last and {rows * B.shape[1]} "
                 f"elements in all (A's rows x B's columns), got {out_shape}"
             )
         sd = validate.norm_dim(orig_sd, len(out_shape), "orig_scatter_dim")
@@ -122,7 +125,9 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         out_shape = [*A.shape[:-1], B.shape[1]]
         must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)
     must += [("A.dtype", dtype_code(A.dtype)), ("reduce_op", validate._REDUCE_OPS.index(reduce_op))]
-    need = math.prod(out_shape) * torch.empty((), dtype=out_dtype).element_size()
+    # FP8 partials are reduced in fp32 (reference.reduce_scatter): 4 bytes per element on the transport.
+    item = 4 if out_dtype in validate.FP8_DTYPES else torch.empty((), dtype=out_dtype).element_size()
+    need = math.prod(out_shape) * item
     return Call(name, must, [("K", A.shape[-1])], need=need)
 
 

@@ -25,11 +25,17 @@ def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
 def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, group_name: str):
     """Reduce-scatters `t` along `scatter_dim`; the result is contiguous, in t's dtype.
 
-    "avg" divides the sum by W (integers: truncating, so the dtype is kept).
+    "avg" divides the sum by W (integers: truncating, so the dtype is kept). FP8: the
+    partials are summed (and averaged) in fp32 and rounded once, saturating, on every
+    transport (gloo cannot reduce FP8, and FP8 tensors cannot be divided).
     """
     if scatter_dim != 0:
         # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
         t = torch.cat(t.chunk(W, dim=scatter_dim), dim=0)
+    if t.dtype in validate.FP8_DTYPES:
+        out = reduce_scatter(t.float(), reduce_op, 0, W, group_name)
+        fmax = torch.finfo(t.dtype).max
+        return out.clamp(-fmax, fmax).to(t.dtype)
     t = t.contiguous()
     tr = transport.current()
     if tr is not None:
@@ -192,7 +198,7 @@ def scaled_matmul_reduce_scatter(
     dim orig_scatter_dim divided by the world size, in out_dtype.
     """
     W, _ = validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
-    validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
+    validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
     out_dtype = validate.to_dtype(out_dtype)
     if output_shape is None:
         output_shape = [*A.shape[:-1], B.shape[1]]

@@ -43,13 +43,23 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+# dtypes every backend (gloo included) all-gathers and sums natively; others travel as bytes / are widened.
+_NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+           torch.complex64, torch.complex128)  # fmt: skip
+
+
 def funcol_all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    if t.dtype.itemsize == 1 and t.dtype != torch.uint8:  # FP8 and int8 travel as bytes (gloo cannot send FP8)
-        return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.view(torch.uint8), W, group_name)).view(t.dtype)
+    if t.dtype not in _NATIVE:  # FP8, int8, int16, bool, ... travel as bytes (gloo cannot send FP8 or int16)
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(flat, W, group_name)).view(t.dtype)
+        return out.view(W * t.shape[0], *t.shape[1:]) if t.dim() else out
     return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
 
 
 def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    """Sum-reduce-scatter along dim 0, in t's dtype (integers gloo cannot sum are widened, then wrapped back)."""
+    if t.dtype not in _NATIVE and not t.is_floating_point() and t.dtype != torch.bool:
+        return funcol_reduce_scatter(t.to(torch.int64), W, group_name).to(t.dtype)
     return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
 
 

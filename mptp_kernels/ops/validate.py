@@ -146,7 +146,30 @@ def all_gather_scaled_lists(
         raise ValueError(
             f"gather_dim: the scaled op cannot gather the last (K) dim, got {gather_dim}"
         )
+    for i in range(n):
+        _check_epilogue(f"[{i}]", Bs[i].shape[1], B_scales[i], biases[i], result_scales[i], lists=True)
     return scale_mode(A, A_scale, gather_dim, W)
+
+
+def _check_epilogue(idx: str, N: int, B_scale, bias, result_scale, lists: bool = False) -> None:
+    """B_scale, bias and result_scale shapes as torch._scaled_mm accepts them.
+
+    NOTE: checked here, before any communication, so a bad one raises on every rank
+    (the CPU reference would otherwise broadcast e.g. an [M, 1] B_scale as a row scale,
+    or raise after the collectives have started, leaving the peers waiting).
+    """
+    s = "s" if lists else ""
+    if B_scale.numel() != 1 and tuple(B_scale.shape) != (1, N):
+        raise ValueError(
+            f"B_scale{s}{idx}: expected one element (tensor-wise) or shape [1, {N}] (row-wise), "
+            f"got {list(B_scale.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias{'es' if lists else ''}{idx}: expected shape [{N}], got {list(bias.shape)}")
+    if result_scale is not None and result_scale.numel() != 1:
+        raise ValueError(
+            f"result_scale{s}{idx}: expected one element, got shape {list(result_scale.shape)}"
+        )
 
 
 def matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_name: str, scaled: bool):
@@ -174,10 +197,12 @@ def check_divisible(out_shape, dim: int, W: int, arg: str) -> None:
         )
 
 
-def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale) -> None:
+def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, N: Optional[int] = None) -> None:
     for arg, t in (("A_scale", A_scale), ("B_scale", B_scale), ("bias", bias),
                    ("result_scale", result_scale)):  # fmt: skip
         _check_device(arg, t, A.device)
+    if N is not None:
+        _check_epilogue("", N, B_scale, bias, result_scale)
     if A_scale.numel() != 1 and tuple(A_scale.shape[:-1]) != tuple(A.shape[:-1]):
         raise ValueError(
             f"A_scale: expected one element (tensor-wise) or shape {[*A.shape[:-1], 1]} "
