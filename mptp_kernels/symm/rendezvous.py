@@ -13,12 +13,13 @@ host waits only for the peers' hosts to reach the same call (they run in
 lockstep in tensor parallelism), a few microseconds.
 
 Layout: one /dev/shm file per workspace, one slot per rank:
-    [seq: int64][pid: int64][2 x (seq: int64, len: int32, pad, payload: PAYLOAD bytes)]
+    [seq: int64][pid: int64][2 x (seq: int64, len: int32, crc32: uint32, payload: PAYLOAD bytes)]
 The payload of call n lives in half n % 2 (a rank can only start call n + 1
 once every peer has published call n, so call n - 1's half is no longer read),
-and its seq word is written last (x86 and Arm hosts order plain stores of one
-process as seen by another through the page cache; the re-check of the half's
-seq after reading it guards against a torn read).
+and its seq word is written last, with a checksum of (call number, payload): a
+reader accepts a payload only when the checksum matches, and reads again
+otherwise, so a host that makes the stores visible out of order (Arm) is
+covered as well as x86.
 
 Pseudo-code of exchange() on rank r, call n:
     half = slot[r].halves[n % 2]; half.payload = mine; half.seq = n; slot[r].seq = n
@@ -31,6 +32,7 @@ import os
 import struct
 import time
 import uuid
+import zlib
 from typing import List, Optional
 
 from .. import env
@@ -38,6 +40,18 @@ from .. import env
 PAYLOAD = 512
 _HALF = 16 + PAYLOAD
 _SLOT = 16 + 2 * _HALF
+
+
+def _pid_ns() -> int:
+    """An id of this process's PID namespace (31 bits), 0 where /proc says nothing."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0x7FFFFFFF
+    except OSError:
+        return 0
+
+
+def _crc(n: int, payload: bytes) -> int:
+    return zlib.crc32(payload, n & 0xFFFFFFFF)
 
 
 class PeerTimeout(RuntimeError):
@@ -61,14 +75,24 @@ class HostRendezvous:
             os.close(fd)
         self.seq = 0
         self.pids: List[int] = [0] * world_size
-        struct.pack_into("<qq", self._mm, _SLOT * rank, 0, os.getpid())
+        struct.pack_into("<qq", self._mm, _SLOT * rank, 0, (_pid_ns() << 32) | os.getpid())
 
     @staticmethod
     def new_path() -> str:
         return f"/dev/shm/mptp_{os.getpid()}_{uuid.uuid4().hex[:12]}"
 
     def read_pids(self) -> None:
-        self.pids = [struct.unpack_from("<q", self._mm, _SLOT * p + 8)[0] for p in range(self.world_size)]
+        """Reads the peers' pids (each slot holds pid | pid-namespace << 32).
+
+        NOTE: a peer in another PID namespace (e.g. another container sharing the GPU and
+        /dev/shm) has a pid that means nothing here: its liveness is unknown (pid 0), and
+        only the timeout detects that it is gone.
+        """
+        pids = []
+        for p in range(self.world_size):
+            word = struct.unpack_from("<q", self._mm, _SLOT * p + 8)[0]
+            pids.append(word & 0xFFFFFFFF if (word >> 32) == _pid_ns() else 0)
+        self.pids = pids
 
     def _peer_seq(self, p: int) -> int:
         return struct.unpack_from("<q", self._mm, _SLOT * p)[0]
@@ -102,7 +126,7 @@ class HostRendezvous:
         mm, r = self._mm, self.rank
         half = _SLOT * r + 16 + (n % 2) * _HALF
         mm[half + 16 : half + 16 + len(payload)] = payload
-        struct.pack_into("<qi", mm, half, n, len(payload))
+        struct.pack_into("<qiI", mm, half, n, len(payload), _crc(n, payload))
         struct.pack_into("<q", mm, _SLOT * r, n)
         self.seq = n
         timeout = env.timeout_s() if timeout_s is None else timeout_s
@@ -132,10 +156,15 @@ class HostRendezvous:
         out = []
         for p in range(self.world_size):
             h = _SLOT * p + 16 + (n % 2) * _HALF
-            seq, ln = struct.unpack_from("<qi", mm, h)
-            data = bytes(mm[h + 16 : h + 16 + ln])
-            if seq != n or struct.unpack_from("<q", mm, h)[0] != n:
-                raise RuntimeError(f"{what}: rank {r} read a torn rendezvous slot of rank {p} (seq {seq}, want {n})")
+            while True:  # the checksum catches a payload whose stores are not all visible yet
+                seq, ln, crc = struct.unpack_from("<qiI", mm, h)
+                data = bytes(mm[h + 16 : h + 16 + max(0, min(ln, PAYLOAD))])
+                if seq == n and 0 <= ln <= PAYLOAD and crc == _crc(n, data):
+                    break
+                if time.monotonic() - start > timeout:
+                    raise PeerTimeout(f"{what}: rank {r} never read a whole rendezvous payload of rank {p} "
+                                      f"for call #{n} (seq {seq})")  # fmt: skip
+                time.sleep(0.0001)
             out.append(data)
         return out
 
