@@ -34,7 +34,10 @@ regrouped across its last dim; transposes/permutes between the collective and th
 matmul; addmm/baddbmm (bias in the GEMM); a batched bmm whose B is not one matrix
 broadcast over the batch; the scaled all-gather on the last dim (the op rejects it);
 a last-dim all-gather whose result has users besides the matmuls (it would be
-materialized, PyTorch skips it too); symbolic shapes; groups not enabled for
+materialized, PyTorch skips it too); an FP8-output _scaled_mm (torch's CPU divides by
+scale_result and overflows to NaN where the ops multiply and saturate); a matmul whose B
+comes from a random draw (fallback_random) or a mutation that would have to move above
+another one to reach the fused op; symbolic shapes; groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
 independent matmul hides (one matmul hides one collective, as in PyTorch).
 """
@@ -76,6 +79,8 @@ _LOGICAL_RESHAPES = _overloads(
 _SPLITS = _overloads("split.Tensor", "split.sizes", "split_with_sizes.default")
 _MM, _BMM, _SCALED_MM = aten.mm.default, aten.bmm.default, aten._scaled_mm.default
 _MATMULS = (_MM, _BMM, _SCALED_MM)
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))  # fmt: skip
 # What can hide a collective when reorder_for_compute_comm_overlap is on.
 _COMPUTE_INTENSIVE = _overloads(
     "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default"
@@ -279,6 +284,33 @@ def _erase_dead(graph: fx.Graph, nodes) -> None:
             graph.erase_node(n)
 
 
+def _order_sensitive(n: fx.Node) -> bool:
+    """Whether moving n changes what the graph computes: it draws from the global RNG
+    (aten.rand & co. stay in the graph under config.fallback_random) or mutates an input."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
+
+
+def _check_raisable(anchor: fx.Node, nodes: set) -> None:
+    """_Reject when moving `nodes` above `anchor` would reorder two order-sensitive nodes:
+    one of them that comes after `anchor` must not pass an order-sensitive node that stays."""
+    stays = None  # the first order-sensitive node after anchor that does not move
+    after = False
+    for n in anchor.graph.nodes:
+        if n is anchor:
+            after = True
+        elif after and n.op == "call_function" and _order_sensitive(n):
+            if n not in nodes:
+                stays = stays or n
+            elif stays is not None:
+                raise _Reject(
+                    f"{n.name} ({n.target}) would have to move above the collective and {stays.name}: "
+                    "both draw random numbers or mutate, so that could change the graph's values"
+                )
+
+
 def _raise_ancestors(graph: fx.Graph, anchor: fx.Node, nodes: set) -> None:
     """Moves the nodes (a set closed under ancestry) that come after `anchor` above it, in order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -335,6 +367,11 @@ class _Matmul:
 
     def why_not(self) -> Optional[str]:
         n = self.node
+        if self.scaled and _tval(n).dtype in _FP8:
+            # NOTE: torch's own FP8-output _scaled_mm is not one thing (the CPU divides by
+            # scale_result and overflows to NaN; CUDA ignores it in torch 2.10-2.11), while the
+            # ops multiply and saturate (cuBLASLt): fusing would change the graph's values.
+            return f"{n.name}: an FP8 output (torch's _scaled_mm and the ops define it differently)"
         if n.target is _BMM:
             B = _tval(n.args[1])
             if B.shape[0] != 1 and B.stride(0) != 0:
@@ -519,6 +556,8 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     if last and need_A:
         raise _Reject("gathering the last dim: the gathered tensor has users besides the matmuls")
 
+    to_raise = _ancestors([a for mm in matmuls for a in mm.other_args()])
+    _check_raisable(m.ag, to_raise)
     b = _Builder(graph, m.ag, _fake_mode([m.shard, m.res]))
     try:
         shard = m.shard
@@ -560,9 +599,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     except _Reject:
         b.rollback()
         raise
-    _raise_ancestors(
-        graph, b.new[0], _ancestors([a for mm in matmuls for a in mm.other_args()]) - set(b.new)
-    )
+    _raise_ancestors(graph, b.new[0], to_raise - set(b.new))
     expands = [mm.expand for mm in matmuls]
     for mm, new in zip(matmuls, new_mms):
         mm.node.replace_all_uses_with(new)
