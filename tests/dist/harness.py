@@ -67,6 +67,11 @@ class Workers:
 
     def run(self, fn, *args, timeout_s=None, **kwargs):
         """Runs fn on every rank; returns [result of rank 0, ..., rank W-1]."""
+        from multiprocessing.reduction import ForkingPickler
+
+        # NOTE: a task that cannot be pickled would kill the queue's feeder thread quietly
+        # and leave run() waiting for its whole timeout: fail here instead.
+        ForkingPickler.dumps((fn, args, kwargs))
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, {}
