@@ -181,10 +181,28 @@ def _signature(name: str):
     return inspect.signature(_REFERENCE[name])
 
 
-def run(name: str, *args, **kwargs):
+@functools.lru_cache(maxsize=None)
+def _arity(name: str):
+    """(number of positional parameters, {keyword-only name: default}) of the op's reference."""
+    import inspect
+
+    ps = _signature(name).parameters.values()
+    pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(pos), {p.name: p.default for p in ps if p.kind == p.KEYWORD_ONLY}
+
+
+def _normalize(name: str, args, kwargs):
+    """All positional parameters in args, keyword-only ones (with defaults) in kwargs."""
+    npos, kwonly = _arity(name)
+    if len(args) == npos and all(k in kwonly for k in kwargs):  # the dispatcher's form: no binding needed
+        return args, {**kwonly, **kwargs}
     bound = _signature(name).bind(*args, **kwargs)
     bound.apply_defaults()
-    args, kwargs = bound.args, bound.kwargs
+    return bound.args, bound.kwargs
+
+
+def run(name: str, *args, **kwargs):
+    args, kwargs = _normalize(name, args, kwargs)
     A = args[0]
     group_name = args[_GROUP_ARG[name]]
     ref_fn = _REFERENCE[name]
