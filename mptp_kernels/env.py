@@ -23,8 +23,29 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _number(name: str, default: str, kind, ok) -> float:
+    raw = os.environ.get(name, default)
+    try:
+        v = kind(raw)
+    except ValueError:
+        v = None
+    if v is None or not ok(v):
+        raise ValueError(f"{name}: expected {kind.__name__} {ok.__doc__}, got {raw!r}")
+    return v
+
+
+def _positive(v):
+    """> 0"""
+    return v > 0
+
+
+def _mode(v):
+    """in (0, 1, 2)"""
+    return v in (0, 1, 2)
+
+
 def timeout_s() -> float:
-    return float(os.environ.get("MPTP_TIMEOUT_S", "60"))
+    return _number("MPTP_TIMEOUT_S", "60", float, _positive)
 
 
 def check_agreement() -> bool:
@@ -32,7 +53,7 @@ def check_agreement() -> bool:
 
 
 def async_error_handling() -> int:
-    return int(os.environ.get("MPTP_ASYNC_ERROR_HANDLING", "2"))
+    return int(_number("MPTP_ASYNC_ERROR_HANDLING", "2", int, _mode))
 
 
 def log_enabled() -> bool:

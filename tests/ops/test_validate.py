@@ -138,3 +138,14 @@ def test_integer_avg_reduce_scatter_keeps_the_dtype(pg1):
     B = torch.randint(-5, 5, (8, 6), dtype=torch.int64)
     out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "avg", 0, pg1)
     assert out.dtype == torch.int64 and torch.equal(out, A @ B)
+
+
+@pytest.mark.parametrize("var,value", [("MPTP_TIMEOUT_S", "soon"), ("MPTP_TIMEOUT_S", "0"),
+                                       ("MPTP_ASYNC_ERROR_HANDLING", "3"), ("MPTP_ASYNC_ERROR_HANDLING", "x")])
+def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
+    from mptp_kernels import env
+
+    monkeypatch.setenv(var, value)
+    fn = env.timeout_s if var == "MPTP_TIMEOUT_S" else env.async_error_handling
+    with pytest.raises(ValueError, match=var):
+        fn()
