@@ -267,6 +267,11 @@ def _rendezvous_peer(path, rank, W, calls, die_at, q):
             time.sleep(0.01)
         for i in range(calls):
             if rank == die_at:
+                # NOTE: the queue's feeder thread writes "up" under a lock shared by every
+                # process: exiting before it has flushed would leave that lock held and
+                # silence the survivors' answers (seen once in CI). Flush, then die.
+                q.close()
+                q.join_thread()
                 os._exit(0)
             out = h.exchange(payload(rank, i), "test", timeout_s=20)
             assert out == [payload(p, i) for p in range(W)], (rank, i)
