@@ -228,6 +228,8 @@ def run(name: str, *args, **kwargs):
     if fused_mod is not None and local_err is None:
         if env.fused_disabled():
             why = "MPTP_DISABLE_FUSED=1"
+        elif name in ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul") and len(args[1]) == 0:
+            why = "no Bs: a plain all-gather (as PyTorch's ops accept)"
         else:
             runner, why = fused_mod.plan(name, W, *args, **kwargs)
     call.fusable = runner is not None

@@ -110,8 +110,6 @@ def all_gather_matmul(A, Bs: Sequence, gather_dim: int, group_name: str, scaled:
     _check_A(A)
     W = group_size(group_name)
     gather_dim = norm_dim(gather_dim, A.dim(), "gather_dim")
-    if len(Bs) == 0:
-        raise ValueError("Bs: expected at least one B, got an empty list")
     k = A.shape[-1] * (W if gather_dim == A.dim() - 1 else 1)
     for i, B in enumerate(Bs):
         _check_matmul_operands(A, B, f"Bs[{i}]", k, same_dtype=not scaled)
@@ -148,7 +146,27 @@ def all_gather_scaled_lists(
         )
     for i in range(n):
         _check_epilogue(f"[{i}]", Bs[i].shape[1], B_scales[i], biases[i], result_scales[i], lists=True)
-    return scale_mode(A, A_scale, gather_dim, W)
+    mode = scale_mode(A, A_scale, gather_dim, W)
+    # The A_scale that reaches _scaled_mm: the gathered one when row-wise sharded.
+    a_numel = A_scale.numel() * (W if mode == ScaleMode.ROW_WISE_SHARDED else 1)
+    for i in range(n):
+        _check_scale_pair(f"B_scales[{i}]", a_numel, mode != ScaleMode.TENSOR_WISE, B_scales[i], Bs[i].shape[1])
+    return mode
+
+
+def _check_scale_pair(arg: str, a_numel: int, a_rowwise: bool, B_scale, N: int) -> None:
+    """torch._scaled_mm pairs a tensor-wise A_scale with a tensor-wise B_scale, a row-wise one with [1, N].
+
+    NOTE: a mixed pair is an error in _scaled_mm on every device; the CPU reference (and a
+    CUDA FP8 output) would compute it, so it is rejected here, before any communication.
+    """
+    if (a_numel == 1 and B_scale.numel() == 1) or (a_rowwise and tuple(B_scale.shape) == (1, N)):
+        return
+    a_mode = "tensor-wise" if a_numel == 1 else "row-wise"
+    want = f"shape [1, {N}]" if a_numel != 1 else "one element" + (f" or shape [1, {N}]" if a_rowwise else "")
+    raise ValueError(
+        f"{arg}: A_scale is {a_mode}, so _scaled_mm expects {want}, got {list(B_scale.shape)}"
+    )
 
 
 def _check_epilogue(idx: str, N: int, B_scale, bias, result_scale, lists: bool = False) -> None:
@@ -203,8 +221,11 @@ def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, N: Optional[int] =
         _check_device(arg, t, A.device)
     if N is not None:
         _check_epilogue("", N, B_scale, bias, result_scale)
-    if A_scale.numel() != 1 and tuple(A_scale.shape[:-1]) != tuple(A.shape[:-1]):
+    a_rowwise = tuple(A_scale.shape) == (*A.shape[:-1], 1)
+    if A_scale.numel() != 1 and not a_rowwise:
         raise ValueError(
             f"A_scale: expected one element (tensor-wise) or shape {[*A.shape[:-1], 1]} "
             f"(row-wise), got {list(A_scale.shape)}"
         )
+    if N is not None:
+        _check_scale_pair("B_scale", A_scale.numel(), a_rowwise, B_scale, N)

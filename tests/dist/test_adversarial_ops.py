@@ -91,7 +91,7 @@ def _A_scale_dtype_mismatch(seed):
     A_scale = torch.rand(4, 1, dtype=torch.float32 if r == 0 else torch.float64) + 0.5
     return _value_error(
         lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
-            A, [B], A_scale, [torch.ones(())], 0, _g(), [None], [None], [torch.float32], [False]),
+            A, [B], A_scale, [torch.ones(1, 16)], 0, _g(), [None], [None], [torch.float32], [False]),
         "disagree", "A_scale.dtype")  # fmt: skip
 
 

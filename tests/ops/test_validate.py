@@ -36,7 +36,6 @@ CASES = {
     "B_not_2d": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4, 1)]), "Bs[0]:"),
     "K_mismatch": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4), torch.zeros(9, 4)]), "Bs[1]:"),
     "dtype_mismatch": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4, dtype=torch.float16)]), "Bs[0]:"),
-    "empty_Bs": (lambda: _ag(torch.zeros(4, 8), []), "Bs:"),
     "gather_dim_range": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4)], gather_dim=2), "gather_dim:"),
     "unknown_group": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4)], group="no-such-group"), "group_name:"),
     "scaled_list_lengths": (lambda: _ags(n_lists=2), "B_scales:"),
