@@ -92,8 +92,8 @@ def describe(name: str, args, kwargs, W: int) -> Call:
             A_scale, B_scales, biases, result_scales, out_dtypes, fast = args[2], args[3], *args[6:10]
             mode = validate.all_gather_scaled_lists(A, Bs, A_scale, B_scales, biases, result_scales,
                                                     out_dtypes, fast, gd, W)  # fmt: skip
-            for d in out_dtypes:
-                validate.to_dtype(d)
+            for i, d in enumerate(out_dtypes):
+                validate.scaled_out_dtype(d, f"out_dtypes[{i}]")
             # A row-wise sharded A_scale travels with A: its dtype must agree too (gloo aborts otherwise).
             must += [("A_scale.mode", list(validate.ScaleMode).index(mode)),
                      ("A_scale.dtype", dtype_code(A_scale.dtype))]
@@ -108,7 +108,7 @@ def describe(name: str, args, kwargs, W: int) -> Call:
             args[2], args[3], args[5], args[6], args[7], args[8], *args[9:12])  # fmt: skip
         validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
         validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
-        out_dtype = validate.to_dtype(out_dtype) or A.dtype
+        out_dtype = validate.scaled_out_dtype(out_dtype) or A.dtype
         out_shape = list(output_shape) if output_shape is not None else [*A.shape[:-1], B.shape[1]]
         rows = math.prod(A.shape[:-1])  # NOTE: not A.numel() // K, which is 0 when K == 0
         if math.prod(out_shape) != rows * B.shape[1] or out_shape[-1] != B.shape[1]:
@@ -201,8 +201,22 @@ def _normalize(name: str, args, kwargs):
     return bound.args, bound.kwargs
 
 
+def _canonical(name: str, args):
+    """A [1, N] bias of a scaled op as its [N] view (what _scaled_mm makes of it); the rest as given."""
+
+    def flat(b):
+        return b.view(-1) if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == 1 else b
+
+    if name == "fused_all_gather_scaled_matmul" and isinstance(args[6], (list, tuple)):
+        return (*args[:6], [flat(b) for b in args[6]], *args[7:])
+    if name == "fused_scaled_matmul_reduce_scatter" and len(args) > 9:
+        return (*args[:9], flat(args[9]), *args[10:])
+    return args
+
+
 def run(name: str, *args, **kwargs):
     args, kwargs = _normalize(name, args, kwargs)
+    args = _canonical(name, args)
     A = args[0]
     group_name = args[_GROUP_ARG[name]]
     ref_fn = _REFERENCE[name]

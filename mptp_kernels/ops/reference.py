@@ -153,7 +153,7 @@ def all_gather_scaled_matmul(
     mode = validate.all_gather_scaled_lists(
         A, Bs, A_scale, B_scales, biases, result_scales, out_dtypes, use_fast_accum, gather_dim, W
     )
-    out_dtypes = [validate.to_dtype(d) for d in out_dtypes]
+    out_dtypes = [validate.scaled_out_dtype(d, f"out_dtypes[{i}]") for i, d in enumerate(out_dtypes)]
     A_gm = _gather_dim_major(A, gather_dim, W, group_name)
     scale = gathered_A_scale(A, A_scale, mode, gather_dim, W, group_name)
     outs = [
@@ -199,7 +199,7 @@ def scaled_matmul_reduce_scatter(
     """
     W, _ = validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
     validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
-    out_dtype = validate.to_dtype(out_dtype)
+    out_dtype = validate.scaled_out_dtype(out_dtype)
     if output_shape is None:
         output_shape = [*A.shape[:-1], B.shape[1]]
     output_shape = list(output_shape)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What torch._scaled_mm writes (CPU and CUDA); anything else is an error there.
+SCALED_OUT_DTYPES = FP8_DTYPES + (torch.bfloat16, torch.float16, torch.float32)
 _REDUCE_OPS = ("sum", "avg")
 
 # c10/core/ScalarType.h order (stable since torch 2.1): ScalarType arguments arrive as
@@ -36,6 +38,15 @@ def to_dtype(x) -> Optional[torch.dtype]:
     if isinstance(x, int) and x in _SCALAR_TYPES:
         return _SCALAR_TYPES[x]
     raise ValueError(f"out_dtypes: unrecognized scalar type {x!r}")
+
+
+def scaled_out_dtype(x, arg: str = "out_dtype") -> Optional[torch.dtype]:
+    """to_dtype(x), which must be one that torch._scaled_mm writes (or None: A's dtype)."""
+    d = to_dtype(x)
+    if d is not None and d not in SCALED_OUT_DTYPES:
+        raise ValueError(f"{arg}: torch._scaled_mm writes {[str(t) for t in SCALED_OUT_DTYPES]}, "
+                         f"got {d}")  # fmt: skip
+    return d
 
 
 def group_size(group_name: str) -> int:
@@ -150,17 +161,23 @@ def all_gather_scaled_lists(
     # The A_scale that reaches _scaled_mm: the gathered one when row-wise sharded.
     a_numel = A_scale.numel() * (W if mode == ScaleMode.ROW_WISE_SHARDED else 1)
     for i in range(n):
-        _check_scale_pair(f"B_scales[{i}]", a_numel, mode != ScaleMode.TENSOR_WISE, B_scales[i], Bs[i].shape[1])
+        _check_scale_pair(f"B_scales[{i}]", a_numel, mode != ScaleMode.TENSOR_WISE, A_scale.dtype,
+                          B_scales[i], Bs[i].shape[1])  # fmt: skip
     return mode
 
 
-def _check_scale_pair(arg: str, a_numel: int, a_rowwise: bool, B_scale, N: int) -> None:
+def _check_scale_pair(arg: str, a_numel: int, a_rowwise: bool, a_dtype, B_scale, N: int) -> None:
     """torch._scaled_mm pairs a tensor-wise A_scale with a tensor-wise B_scale, a row-wise one with [1, N].
 
     NOTE: a mixed pair is an error in _scaled_mm on every device; the CPU reference (and a
     CUDA FP8 output) would compute it, so it is rejected here, before any communication.
     """
-    if (a_numel == 1 and B_scale.numel() == 1) or (a_rowwise and tuple(B_scale.shape) == (1, N)):
+    if a_numel == 1 and B_scale.numel() == 1:
+        return
+    if a_rowwise and tuple(B_scale.shape) == (1, N):
+        if a_dtype != torch.float32 or B_scale.dtype != torch.float32:
+            raise ValueError(f"A_scale, {arg}: row-wise scales must be float32 (as _scaled_mm's), "
+                             f"got {a_dtype} and {B_scale.dtype}")  # fmt: skip
         return
     a_mode = "tensor-wise" if a_numel == 1 else "row-wise"
     want = f"shape [1, {N}]" if a_numel != 1 else "one element" + (f" or shape [1, {N}]" if a_rowwise else "")
@@ -182,11 +199,18 @@ def _check_epilogue(idx: str, N: int, B_scale, bias, result_scale, lists: bool =
             f"B_scale{s}{idx}: expected one element (tensor-wise) or shape [1, {N}] (row-wise), "
             f"got {list(B_scale.shape)}"
         )
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"bias{'es' if lists else ''}{idx}: expected shape [{N}], got {list(bias.shape)}")
-    if result_scale is not None and result_scale.numel() != 1:
+    # NOTE: [1, N] too: _scaled_mm checks a bias's numel (CUDA) or broadcasts it (CPU); the
+    # dispatcher hands every implementation the [N] view (dispatch._canonical).
+    b = f"bias{'es' if lists else ''}{idx}"
+    if bias is not None and tuple(bias.shape) not in ((N,), (1, N)):
+        raise ValueError(f"{b}: expected shape [{N}] or [1, {N}], got {list(bias.shape)}")
+    if bias is not None and bias.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{b}: expected bf16, fp16 or fp32, got {bias.dtype}")
+    rs_bad = result_scale is not None and (result_scale.numel() != 1 or result_scale.dtype != torch.float32)
+    if rs_bad:
         raise ValueError(
-            f"result_scale{s}{idx}: expected one element, got shape {list(result_scale.shape)}"
+            f"result_scale{s}{idx}: expected one float32 element (as _scaled_mm), got shape "
+            f"{list(result_scale.shape)} {result_scale.dtype}"
         )
 
 
@@ -228,4 +252,4 @@ def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, N: Optional[int] =
             f"(row-wise), got {list(A_scale.shape)}"
         )
     if N is not None:
-        _check_scale_pair("B_scale", A_scale.numel(), a_rowwise, B_scale, N)
+        _check_scale_pair("B_scale", A_scale.numel(), a_rowwise, A_scale.dtype, B_scale, N)

@@ -92,7 +92,7 @@ def _A_scale_dtype_mismatch(seed):
     return _value_error(
         lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
             A, [B], A_scale, [torch.ones(1, 16)], 0, _g(), [None], [None], [torch.float32], [False]),
-        "disagree", "A_scale.dtype")  # fmt: skip
+        "A_scale", "float32")  # fmt: skip  (a float64 row-wise scale is rejected, as by _scaled_mm)
 
 
 def test_dtype_mismatches_raise_on_every_rank(adv2):
