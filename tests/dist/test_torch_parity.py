@@ -13,7 +13,7 @@ scatter_dim_after_maybe_reshape / output_shape, out_dtype, bias, keyword calls,
 opcheck), the edge cases a user porting code would try: negative dims,
 non-contiguous A, transposed and stride-0 B, K = 1, N = 1, N not a multiple of
 16, fp16 / bf16 / fp32 / fp64, FP8 e4m3 and e5m2, an empty Bs list, a group
-given by name or object.
+given by name or object, subgroups and one-rank groups.
 
 Where the fallback cannot be the oracle, the case says why and pins mptp's
 behaviour instead (float64, or the error PyTorch's own CUDA op raises).
@@ -733,6 +733,35 @@ def _rs_scaled_edges(seed):
 @pytest.mark.parametrize("world", [2, 3])
 def test_scaled_matmul_reduce_scatter_edges(request, world):
     request.getfixturevalue(f"parity{world}").run(_rs_scaled_edges, SEED, timeout_s=TIMEOUT_S)
+
+
+# -- groups other than the world, by name --------------------------------------------------------
+
+
+def _subgroups(seed):
+    from torch.distributed._symmetric_memory import _fused_all_gather_matmul_fallback as ag_fallback
+    from torch.distributed._symmetric_memory import _fused_matmul_reduce_scatter_fallback as rs_fallback
+
+    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases()
+    pair = dist.new_group([0, W - 1])  # collective: every rank creates it
+    singles = [dist.new_group([q]) for q in range(W)]
+    A, B = randn((4, 3, 16), seed + r), randn((16, 6), seed + 99)
+    groups = [("rank-1 group", singles[r])]
+    if r in (0, W - 1):
+        groups.append(("ranks {0, W-1}", pair))
+    for what, pg in groups:
+        g = pg.group_name
+        for d in (0, 1, 2, -1):
+            Bk = B if d % 3 != 2 else randn((16 * pg.size(), 6), seed + 98)
+            _differential(c, f"all_gather_matmul on {what} gather_dim={d}", lambda: torch.ops.mptp.fused_all_gather_matmul(
+                A, [Bk], d, g), lambda: ag_fallback(A, [Bk], d % 3, g))  # fmt: skip
+            _differential(c, f"matmul_reduce_scatter on {what} scatter_dim={d}", lambda: torch.ops.mptp.fused_matmul_reduce_scatter(
+                A, B, "avg", d, g), lambda: rs_fallback(A, B, "avg", d, g))  # fmt: skip
+    return c.done()
+
+
+def test_subgroups_by_name(parity3):
+    parity3.run(_subgroups, SEED, timeout_s=TIMEOUT_S)
 
 
 # -- opcheck across processes, and the restride helpers --------------------------------------------
