@@ -37,3 +37,15 @@ def skip_without_fused():
 
     why = fused_unavailable()
     return pytest.mark.skipif(why is not None, reason=str(why))
+
+
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether torch._scaled_mm takes row-wise scales on the CPU (torch 2.11's CPU kernel is
+    tensor-wise only; the ops' own reference does not use it there)."""
+    fp8 = torch.float8_e4m3fn
+    A, B = torch.ones(2, 16).to(fp8), torch.ones(16, 16).to(fp8).t()
+    try:
+        torch._scaled_mm(A, B.t(), torch.ones(2, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False

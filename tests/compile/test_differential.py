@@ -24,6 +24,7 @@ from typing import Optional, Tuple, Union
 import pytest
 import torch
 import torch.distributed as dist
+from utils import cpu_rowwise_scaled_mm
 
 SEED = int(os.environ.get("MPTP_DIFF_SEED", random.randrange(1 << 30)))
 N_RANDOM = int(os.environ.get("MPTP_DIFF_CASES", "48"))
@@ -192,6 +193,12 @@ def _valid(c: Case) -> bool:
         return False
 
 
+# NOTE: torch 2.11's Dynamo refuses to trace funcol.all_gather_tensor on a dim other than 0
+# (it calls torch._utils._maybe_view_chunk_cat, marked as skipped): a graph break, so
+# fullgraph=True fails before the pass runs. There the gather is written out by hand.
+_OLD_FUNCOL = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+
+
 def _build(c: Case, group, W, rank, seed, trace_only=False):
     """Returns (fn, args): fn(*args) -> tuple of outputs; group None runs the collectives as a fake."""
     import torch.distributed._functional_collectives as funcol
@@ -199,6 +206,9 @@ def _build(c: Case, group, W, rank, seed, trace_only=False):
     def all_gather(x, d):
         if group is None:
             return torch.cat([x] * W, d)
+        if d != 0 and _OLD_FUNCOL:  # what funcol does, written out (see _OLD_FUNCOL)
+            out = all_gather(x, 0)
+            return torch.cat(torch.chunk(out, W, 0), d)
         if x.dtype == FP8:  # gloo cannot send fp8: it travels as bytes
             return funcol.all_gather_tensor(x.view(torch.uint8), d, group).view(FP8)
         return funcol.all_gather_tensor(x, d, group)
@@ -389,7 +399,8 @@ def test_with_and_without_the_pass_agree(workers2):
         f"\nmptp differential: MPTP_DIFF_SEED={SEED} ({len(NAMED)} named + {N_RANDOM} random cases)"
     )
     named = [c for c in NAMED if _valid(c)]
-    assert len(named) == len(NAMED), [str(c) for c in NAMED if not _valid(c)]
+    expected = [c for c in NAMED if c.scale != "row" or cpu_rowwise_scaled_mm()]
+    assert len(named) == len(expected), [str(c) for c in expected if not _valid(c)]
     randoms = _random_cases(SEED, N_RANDOM)
     failures, fused_random = [], 0
     for batch in _batches(named) + _batches(randoms):
@@ -410,4 +421,6 @@ def test_with_and_without_the_pass_agree(workers2):
 
 @pytest.mark.parametrize("case", NAMED, ids=lambda c: c.name)
 def test_named_cases_are_valid_programs(case):
+    if case.scale == "row" and not cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes tensor-wise scales only")
     assert _valid(case), str(case)
