@@ -39,7 +39,8 @@ scale_result and overflows to NaN where the ops multiply and saturate); a matmul
 comes from a random draw (fallback_random) or a mutation that would have to move above
 another one to reach the fused op; symbolic shapes; groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
-independent matmul hides (one matmul hides one collective, as in PyTorch).
+independent aten.mm hides (one mm hides one collective; as in PyTorch, addmm, bmm and
+_scaled_mm hide nothing).
 """
 
 import contextlib
@@ -81,10 +82,9 @@ _MM, _BMM, _SCALED_MM = aten.mm.default, aten.bmm.default, aten._scaled_mm.defau
 _MATMULS = (_MM, _BMM, _SCALED_MM)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))  # fmt: skip
-# What can hide a collective when reorder_for_compute_comm_overlap is on.
-_COMPUTE_INTENSIVE = _overloads(
-    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "_scaled_mm.default"
-)
+# What can hide a collective when reorder_for_compute_comm_overlap is on: PyTorch's pass counts
+# aten.mm only, and counting more would leave collectives unfused that PyTorch fuses.
+_COMPUTE_INTENSIVE = (_MM,)
 
 
 class _Reject(Exception):
@@ -418,7 +418,7 @@ class _AllGather:
     gather_dim: int
     group_name: str
     nodes: list  # everything between ag and res, res last
-    view_dtype: Optional[torch.dtype] = None  # type-erased FP8: the dtype the bytes are viewed as
+    view_dtype: Optional[torch.dtype] = None  # type-erased FP8: the dtype A_full is viewed as last
 
 
 def _skip_aliases(n: fx.Node, nodes: list) -> fx.Node:
@@ -435,6 +435,10 @@ def _single_user(n: fx.Node) -> Optional[fx.Node]:
 
 def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[list]:
     """The W pieces of src along dim, in order, as split+getitem or slice nodes; None otherwise."""
+    # NOTE: symbolic sizes (dynamic=True) are not matched: split sizes are then nodes, and a
+    # comparison of SymInts would install a guard.
+    if not (isinstance(piece, int) and isinstance(_tval(src).shape[dim], int)):
+        return None
     users = list(src.users)
     if len(users) == 1 and users[0].target in _SPLITS:
         split = users[0]
@@ -443,7 +447,7 @@ def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[lis
             return None
         if isinstance(sizes, int):
             sizes = [sizes] * W if sizes * W == _tval(src).shape[dim] else None
-        if sizes is None or list(sizes) != [piece] * W:
+        if not isinstance(sizes, (list, tuple)) or list(sizes) != [piece] * W:
             return None
         items = {}
         for g in split.users:
@@ -513,7 +517,8 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     nodes.append(cat)
     res = _skip_aliases(cat, nodes)
     user = _single_user(res)
-    if view_dtype is None and user is not None and user.target is aten.view.dtype:
+    # The pieces may be viewed as bytes and the cat viewed back (DTensor + float8): the last view wins.
+    if user is not None and user.target is aten.view.dtype:
         res, view_dtype = user, user.args[1]
         nodes.append(res)
         res = _skip_aliases(res, nodes)
@@ -567,7 +572,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
             if tuple(stride) != tuple(shard_val.stride()):
                 shard = b.call(inductor_prims.force_stride_order, (shard, list(stride)))
-        if m.view_dtype is not None:
+        if m.view_dtype not in (None, shard_val.dtype):
             shard = b.call(aten.view.dtype, (shard, m.view_dtype))  # fp8 travelled as bytes
         Bs = [mm.B_2d(b) for mm in matmuls]
         if not scaled:
@@ -647,7 +652,7 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
             src = src.args[0]
         if isinstance(src, fx.Node) and _val(src) is not None:
             for d in range(_tval(src).dim()):
-                if _tval(src).shape[d] % W:
+                if not isinstance(_tval(src).shape[d], int) or _tval(src).shape[d] % W:
                     continue
                 found = _pieces_in_order(src, d, W, _tval(src).shape[d] // W)
                 getitems = found[1:] if found and found[0].target in _SPLITS else found
