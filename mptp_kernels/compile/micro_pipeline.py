@@ -421,9 +421,13 @@ class _AllGather:
     view_dtype: Optional[torch.dtype] = None  # type-erased FP8: the dtype A_full is viewed as last
 
 
+_ALIASES = (aten.alias.default, aten.detach.default)
+
+
 def _skip_aliases(n: fx.Node, nodes: list) -> fx.Node:
-    """Follows single-user aten.alias chains (make_fx leaves them after views)."""
-    while len(n.users) == 1 and next(iter(n.users)).target is aten.alias.default:
+    """Follows single-user aten.alias / aten.detach chains (make_fx leaves them after views;
+    torch 2.11's leaves detach after a view.dtype): the same values, no autograd post-grad."""
+    while len(n.users) == 1 and next(iter(n.users)).target in _ALIASES:
         n = next(iter(n.users))
         nodes.append(n)
     return n
