@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 import mptp_kernels
 from mptp_kernels.compile import micro_pipeline
 from mptp_kernels.compile.micro_pipeline import micro_pipeline_pass, recording
+from utils import cpu_rowwise_scaled_mm
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -47,9 +48,18 @@ W = 2
 # ---------------------------------------------------------------- graphs
 
 
+# NOTE: torch 2.11's Dynamo cannot trace funcol's gather on a dim other than 0 (it calls
+# torch._utils._maybe_view_chunk_cat, marked as skipped): there the gather is written out
+# as funcol's reference form (gather on dim 0, chunks concatenated on d).
+_OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+
+
 def _ag(x, d, g):
     import torch.distributed._functional_collectives as funcol
 
+    if _OLD_TORCH and d % x.dim() != 0:
+        full = funcol.all_gather_tensor(x, 0, g)
+        return torch.cat(torch.chunk(full, full.shape[0] // x.shape[0], 0), d)
     return getattr(funcol, "all_gather_single", funcol.all_gather_tensor)(x, d, g)
 
 
@@ -361,11 +371,12 @@ def test_fuse_all_gather_matmul_slice_cat(fake2, trim):
         # A real trim (not in PyTorch's tests): PyTorch's pass rewrites it into a gather of the
         # untrimmed [64, 4096] A times B [2048, 16], which cannot run. Ours must leave it alone.
         gm = _post_grad_fx(_ag_slice_cat(fake2, trim), *args)
-        assert _torch_pass(gm) == ["fused_all_gather_matmul"]
+        assert _torch_pass(gm) == ([] if _OLD_TORCH else ["fused_all_gather_matmul"])
         assert _mptp_pass(_post_grad_fx(_ag_slice_cat(fake2, trim), *args))[0] == []
         return
     theirs, ours, _ = _parity(_ag_slice_cat(fake2, trim), *args)
-    assert theirs == ours == ["fused_all_gather_matmul"]
+    assert ours == ["fused_all_gather_matmul"]
+    assert theirs == ours or (_OLD_TORCH and theirs == [])  # torch 2.11's pass has no slice/cat form
 
 
 @pytest.mark.parametrize("scales", ["tensor", "row"])
@@ -401,7 +412,8 @@ def test_fuse_matmul_reduce_scatter(fake2, A_dims, scatter_dim):
 
 def test_fuse_matmul_reduce_scatter_slice_cat(fake2):
     theirs, ours, _ = _parity(_rs_slice_cat(fake2), torch.rand(64, 32), torch.rand(32, 16))
-    assert theirs == ours == ["fused_matmul_reduce_scatter"]
+    assert ours == ["fused_matmul_reduce_scatter"]
+    assert theirs == ours or (_OLD_TORCH and theirs == [])  # torch 2.11's pass has no slice/cat form
 
 
 @pytest.mark.parametrize("A_dims,scatter_dim", [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)])
@@ -608,12 +620,15 @@ def _fp32_cases(g, r):
     return cases
 
 
+_ROW = cpu_rowwise_scaled_mm()  # torch 2.11's CPU _scaled_mm is tensor-wise only
+
+
 def _fp8_cases(g, r, eager=False):
     """FP8 cases; eager=True sends shards as bytes everywhere (gloo cannot all-gather FP8)."""
     cases = []
     for A_dims, d in [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]:
         last = d == A_dims - 1
-        for scales in ("tensor",) if last else ("tensor", "row"):
+        for scales in ("tensor",) if last or not _ROW else ("tensor", "row"):
             shard = _ints(_shape(A_dims, None if last else d), r * 7 + d).to(FP8)
             M = shard.numel() // 32 * (1 if last else W)
             sa = 2.0 ** _ints((M, 1), 3, -1, 2) if scales == "row" else torch.tensor(0.5)
@@ -626,7 +641,7 @@ def _fp8_cases(g, r, eager=False):
         args = (_ints(_shape(A_dims), r * 5 + d).to(FP8), _cm(_ints((32, 16), 6).to(FP8)), torch.tensor(0.5),
                 torch.tensor(0.25))  # fmt: skip
         cases.append((f"srs{A_dims}d{d}", _scaled_mm_rs(g, d, "sum"), args, 1))
-    for d in (0, 1):
+    for d in (0, 1) if _ROW else ():
         args = (_ints((2, 16, 32), r + d).to(FP8), _cm(_ints((32, 64), 9).to(FP8)), 2.0 ** _ints((2, 16, 1), 10, -1, 2),
                 2.0 ** _ints((1, 64), 11, -1, 2))  # fmt: skip
         cases.append((f"srs_rowwise_rmr_d{d}", _reshape_mm_reshape(g, d), args, 1))
