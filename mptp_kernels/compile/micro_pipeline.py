@@ -37,7 +37,9 @@ a last-dim all-gather whose result has users besides the matmuls (it would be
 materialized, PyTorch skips it too); an FP8-output _scaled_mm (torch's CPU divides by
 scale_result and overflows to NaN where the ops multiply and saturate); a matmul whose B
 comes from a random draw (fallback_random) or a mutation that would have to move above
-another one to reach the fused op; symbolic shapes; groups not enabled for
+another one to reach the fused op; symbolic shapes other than the row count of a
+2-D A (a dim-0 gather or scatter of [tokens, hidden]) or in a scaled reduce-scatter;
+groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
 independent aten.mm hides (one mm hides one collective; as in PyTorch, addmm, bmm and
 _scaled_mm hide nothing).
@@ -104,6 +106,13 @@ def _tval(n) -> torch.Tensor:
 
 def _static(v: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+
+
+def _shapes_ok(*vals) -> bool:
+    """Static, or all 2-D: the symbolic form fused (dynamic=True; a dim-0 gather or scatter of
+    [tokens, hidden], as PyTorch's pass fuses it). Every rewrite of it must prove sizes equal
+    without a guard (_same_shape) and emit no node that would carry a SymInt argument."""
+    return all(_static(v) for v in vals) or all(v.dim() == 2 for v in vals)
 
 
 def _arg(n: fx.Node, i: int, name: str, default=None):
@@ -234,21 +243,24 @@ class _Builder:
         return n
 
     def reshape(self, n: fx.Node, shape) -> fx.Node:
-        return (
-            n
-            if list(_tval(n).shape) == list(shape)
-            else self.call(aten.reshape.default, (n, list(shape)))
-        )
+        if _same_shape(_tval(n).shape, shape):
+            return n
+        if not all(isinstance(d, int) for d in shape):
+            # NOTE: a symbolic size would have to be a node of the graph, not a SymInt argument.
+            raise _Reject(f"a reshape to the symbolic shape {list(shape)}")
+        return self.call(aten.reshape.default, (n, list(shape)))
 
     def like(self, n: fx.Node, ref: torch.Tensor, what: str) -> fx.Node:
         """`n` restrided to exactly `ref`'s strides; _Reject unless shape and dtype already match."""
         v = _tval(n)
-        if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
+        if not _same_shape(v.shape, ref.shape) or v.dtype != ref.dtype:
             raise _Reject(
                 f"{what}: the replacement is {v.dtype}{list(v.shape)}, the graph has {ref.dtype}{list(ref.shape)}"
             )
-        if tuple(v.stride()) == tuple(ref.stride()):
+        if _same_shape(v.stride(), ref.stride()):
             return n
+        if not _static(ref):
+            raise _Reject(f"{what}: a restride to the symbolic strides {list(ref.stride())}")
         if not _is_dense(ref):
             raise _Reject(f"{what}: strides {ref.stride()} are not dense, cannot restride to them")
         n = self.call(inductor_prims.force_stride_order, (n, list(ref.stride())))
@@ -260,6 +272,17 @@ class _Builder:
         for n in reversed(self.new):
             self.graph.erase_node(n)
         self.new = []
+
+
+def _same_shape(a, b) -> bool:
+    """Equal sizes, symbolic ones only when provably equal (never installs a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        return False
+    return all(x == y if isinstance(x, int) and isinstance(y, int) else statically_known_true(x == y)
+               for x, y in zip(a, b))  # fmt: skip
 
 
 def _fake_mode(nodes):
@@ -537,18 +560,18 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     _check_group(m.group_name, _arg(m.ag, 1, "group_size"))
     if shard_val.dim() < 2:
         raise _Reject("the shard is 1-D (the ops take A with >= 2 dims)")
-    if not (_static(shard_val) and _static(res_val)):
-        raise _Reject("symbolic shapes")
+    if not _shapes_ok(shard_val, res_val):
+        raise _Reject("symbolic shapes other than the rows of a 2-D A")
     collective = set(m.nodes)
     matmuls, skipped = [], []
     for mm in _consumer_matmuls(m.res):
         why = mm.why_not()
         if why is None and _ancestors(mm.other_args()) & collective:
             why = f"{mm.node.name}'s other arguments depend on the collective"
-        if why is None and _tval(mm.A).shape[-1] != res_val.shape[-1]:
+        if why is None and not _same_shape(_tval(mm.A).shape[-1:], res_val.shape[-1:]):
             why = f"{mm.node.name} multiplies a reshape of A that regroups its last dim"
-        if why is None and not _static(_tval(mm.node)):
-            why = "symbolic shapes"
+        if why is None and not _shapes_ok(shard_val, res_val, _tval(mm.node)):
+            why = "symbolic shapes other than the rows of a 2-D A"
         (skipped if why else matmuls).append(why or mm)
     if not matmuls:
         users = sorted({str(u.target) for u in m.res.users})
@@ -574,7 +597,9 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             from ..ops import restride_A_shard_for_fused_all_gather_matmul
 
             stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
-            if tuple(stride) != tuple(shard_val.stride()):
+            if not _same_shape(stride, shard_val.stride()):
+                if not _static(shard_val):
+                    raise _Reject(f"a restride of the shard to the symbolic strides {list(stride)}")
                 shard = b.call(inductor_prims.force_stride_order, (shard, list(stride)))
         if m.view_dtype not in (None, shard_val.dtype):
             shard = b.call(aten.view.dtype, (shard, m.view_dtype))  # fp8 travelled as bytes
@@ -588,7 +613,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
                 raise _Reject("the matmuls use different A scales")
             a_scale = a_scales.pop()
             # Row-wise [M, 1] -> one row per row of A_full (the op's "replicated" mode).
-            if _tval(a_scale).numel() > 1:
+            if not (isinstance(_tval(a_scale).numel(), int) and _tval(a_scale).numel() == 1):
                 a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
             nodes = [mm.node for mm in matmuls]
             op = torch.ops.mptp.fused_all_gather_scaled_matmul.default
@@ -690,10 +715,12 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
         raise _Reject(why)
     C, out = _tval(m.inp), _tval(m.wait)
     X = _tval(mm.A)
-    if not all(_static(v) for v in (C, out, X)):
-        raise _Reject("symbolic shapes")
+    if not _shapes_ok(C, out, X):
+        raise _Reject("symbolic shapes other than the rows of a 2-D A")
+    if mm.scaled and not _static(C):
+        raise _Reject("symbolic shapes: the scaled op's output_shape would carry them")
     K, N = X.shape[-1], _tval(mm.node).shape[-1]
-    if C.shape[-1] != N:
+    if not _same_shape(C.shape[-1:], [N]):
         raise _Reject(
             f"the matmul output [.., {N}] is regrouped across its last dim into {list(C.shape)}"
         )
@@ -712,7 +739,9 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
                 stride = restride_A_for_fused_matmul_reduce_scatter(
                     _tval(A), m.scatter_dim
                 ).stride()
-                if tuple(stride) != tuple(_tval(A).stride()):
+                if not _same_shape(stride, _tval(A).stride()):
+                    if not _static(_tval(A)):
+                        raise _Reject(f"a restride of A to the symbolic strides {list(stride)}")
                     A = b.call(inductor_prims.force_stride_order, (A, list(stride)))
             op = torch.ops.mptp.fused_matmul_reduce_scatter.default
             fused = b.call(op, (A, mm.B_2d(b), m.reduce_op, m.scatter_dim, m.group_name))

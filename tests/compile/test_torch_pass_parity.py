@@ -562,15 +562,32 @@ def test_extra_users_of_intermediates(fake2):
         assert theirs == ours == []
 
 
-@pytest.mark.xfail(strict=True, reason="symbolic shapes are never fused (documented limitation): "
-                   "PyTorch's pass fuses a dim-0 all-gather / reduce-scatter with a symbolic M")  # fmt: skip
 def test_symbolic_shapes_fuse_like_pytorch(fake2):
+    """PyTorch fuses a dim-0 gather / scatter of a 2-D A with symbolic sizes; so do we, without a guard."""
     for f, args in [
         (_ag_mm(fake2, 0, False), (torch.rand(32, 32), torch.rand(32, 16))),
+        (_ag_mm(fake2, 0, True), (torch.rand(32, 32), torch.rand(32, 16))),
         (_mm_rs(fake2, 0, "sum"), (torch.rand(64, 32), torch.rand(32, 16))),
     ]:
+        gm = _post_grad_fx(f, *args, tracing_mode="symbolic")
+        shape_env = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder").fake_mode.shape_env
+        guards = len(shape_env.guards)
+        ours, _ = _mptp_pass(gm)
+        assert len(shape_env.guards) == guards, shape_env.guards[guards:]
         theirs, ours, _ = _parity(f, *args, tracing_mode="symbolic")
-        assert len(theirs) == 1
+        assert len(theirs) == 1 and ours == theirs
+
+
+def test_symbolic_shapes_beyond_2d_are_left_alone(fake2):
+    """A 3-D A with a symbolic size (its strides are symbolic): not fused, the graph unchanged."""
+    for f, args in [
+        (_ag_mm(fake2, 1, False), (torch.rand(2, 8, 32), torch.rand(32, 16))),
+        (_mm_rs(fake2, 1, "sum"), (torch.rand(2, 8, 32), torch.rand(32, 16))),
+    ]:
+        gm = _post_grad_fx(f, *args, tracing_mode="symbolic")
+        before = [n.target for n in gm.graph.nodes]
+        ours, _ = _mptp_pass(gm)
+        assert ours == [] and [n.target for n in gm.graph.nodes] == before
 
 
 # ---------------------------------------------------------------- numerics on 2 gloo processes
@@ -717,7 +734,8 @@ def _numerics(kind, dynamic=False):
                 errors.append(str(err))
             i += 1
     fused = sum(d.fused for d in decisions)
-    expected = 0 if dynamic else sum(c[3] for c in cases)
+    # dynamic: the 2-D dim-0 cases fuse with a symbolic row count; 3-D ones have symbolic strides.
+    expected = sum(c[3] for c in cases if not dynamic or c[0] in ("ag2d0A1", "rs2d0"))
     if fused != expected:
         errors.append(
             f"fused {fused} collectives, expected {expected}: {[str(d) for d in decisions]}"
@@ -743,8 +761,45 @@ def test_compiled_numerics_fp8(workers2):
 
 
 def test_compiled_numerics_dynamic(workers2):
-    """dynamic=True: nothing is fused (symbolic shapes, see the xfail above), values equal eager."""
+    """dynamic=True: the 2-D dim-0 cases fuse (symbolic rows), the 3-D ones do not; values equal eager."""
     _assert_ranks_ok(workers2.run(_numerics, "fp32", True, timeout_s=300))
+
+
+def _dynamic_rows():
+    """One dynamic compile serves every row count: fused once, equal to eager at each M."""
+    from utils import assert_matmul_close
+
+    mptp_kernels.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    g, r = dist.group.WORLD.group_name, dist.get_rank()
+
+    def f(x, w1, w2):
+        h = _ag(x, 0, g) @ w1  # column-parallel
+        return _rs(h @ w2, "sum", 0, g)  # row-parallel
+
+    w1, w2 = _rand((32, 24), 7), _rand((24, 16), 8)
+    cfg = torch._inductor.config
+    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+    decisions, errors = [], []
+    torch._dynamo.reset()
+    with cfg.patch(fast), mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
+        cf = torch.compile(f, fullgraph=True, dynamic=True)
+        for M in (4, 6, 10):
+            x = _rand((M, 32), 100 * M + r)
+            out, eager = cf(x, w1, w2), f(x, w1, w2)
+            ref = f(x.double(), w1.double(), w2.double())
+            try:
+                assert out.shape == eager.shape == (M, 16)
+                assert_matmul_close(out, ref, eager, what=f"M={M}")
+            except AssertionError as e:
+                errors.append(str(e))
+    fused = [str(d) for d in decisions if d.fused]
+    if len(fused) != 2 or len(decisions) != 2:  # one compile, both collectives fused
+        errors.append(f"expected one compile fusing both collectives: {[str(d) for d in decisions]}")
+    return errors
+
+
+def test_one_dynamic_compile_fuses_every_row_count(workers2):
+    _assert_ranks_ok(workers2.run(_dynamic_rows, timeout_s=300))
 
 
 def _seq_par():
