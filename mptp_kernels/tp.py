@@ -49,13 +49,26 @@ def _norm(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim % ndim) if isinstance(p, Shard) else p
 
 
-def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement) -> torch.Tensor:
-    """The local shard of x in layout `wanted`; a plain tensor is read as layout `given`."""
+def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement, style: str = "",
+                 even: bool = False) -> torch.Tensor:  # fmt: skip
+    """The local shard of x in layout `wanted`; a plain tensor is read as layout `given`.
+
+    even: the shards along `wanted` must have one size (the fused all-gather's input).
+    """
     if not isinstance(x, DTensor):
         if _norm(given, x.dim()) == _norm(wanted, x.dim()):
             return x
         x = DTensor.from_local(x, mesh, (given,), run_check=False)
-    if x.placements != (_norm(wanted, x.dim()),):
+    want = _norm(wanted, x.dim())
+    # NOTE: DTensor shards an uneven dim unevenly; the fused all-gather of unequal shards
+    # would abort gloo (or hang NCCL) on some ranks: raise on every rank instead.
+    if even and x.shape[want.dim] % mesh.size():
+        raise ValueError(
+            f"{style}: the input's dim {want.dim} has size {x.shape[want.dim]}, not a multiple of "
+            f"the mesh size {mesh.size()}: the fused all-gather needs equal shards (pad it, or "
+            "use ColwiseParallel)"
+        )
+    if x.placements != (want,):
         x = x.redistribute(placements=(wanted,))
     return x.to_local()
 
@@ -85,7 +98,9 @@ class _Config:
 
 def _colwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
-    x = _local_input(x, cfg.mesh, cfg.input_layout, cfg.input_layout)
+    x = _local_input(
+        x, cfg.mesh, cfg.input_layout, cfg.input_layout, "FusedColwiseParallel", even=True
+    )
     w = _local(self.weight)  # [out_features / W, in_features]
     _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
         x, [w.t()], cfg.dim, cfg.group_name, return_A=False
@@ -122,7 +137,8 @@ class FusedColwiseParallel(ColwiseParallel):
     while multiplying by the local weight rows; the backward is a fused
     matmul-reduce-scatter for the input gradient and reuses the gathered input for
     the weight gradient. The output is ``Shard(-1)`` (full sequence, this rank's
-    columns) unless ``output_layouts`` says otherwise.
+    columns) unless ``output_layouts`` says otherwise. The sharded dim must divide by
+    the mesh size: a DTensor input that DTensor shards unevenly is a ValueError.
 
     Where the input is replicated (``input_layouts`` None or ``Replicate()``) there is
     nothing to gather, and on modules other than ``nn.Linear`` there is no fused op:

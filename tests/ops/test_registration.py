@@ -17,7 +17,12 @@ import mptp_kernels  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 F64 = torch.float64
-ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+ALL_UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
 # SchemaCheckMode (test_schema) compares inputs with allclose, which has no float8 kernel.
 FP8_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
@@ -59,8 +64,21 @@ def _scaled_samples(g, grad):
     return {
         "fused_all_gather_scaled_matmul": [
             ((A8, [B8], row, [col], 0, g, [None], [None], [torch.bfloat16], [False]), {}),
-            ((At8, [B8, B8], one, [one, one], 1, g, [bias, None], [None, None], [torch.bfloat16, torch.float32],
-              [True, False]), {}),  # fmt: skip
+            (
+                (
+                    At8,
+                    [B8, B8],
+                    one,
+                    [one, one],
+                    1,
+                    g,
+                    [bias, None],
+                    [None, None],
+                    [torch.bfloat16, torch.float32],
+                    [True, False],
+                ),
+                {},
+            ),  # fmt: skip
         ],
         "fused_scaled_matmul_reduce_scatter": [
             ((A8, B8, one, one, "sum", 0, 0, g, [4, 8], bias, None, torch.bfloat16, False), {}),
@@ -132,9 +150,17 @@ def test_fake_and_meta_match_real(pg1):
             with FakeTensorMode() as mode:
                 fargs = conv(args, mode.from_tensor)
                 fake = [_layout(t) for t in _flat(_op(name)(*fargs, **kwargs))]
-            assert [r[:3] if r else r for r in real] == [f[:3] if f else f for f in fake], (name, args[2:])
-            meta = [_layout(t) for t in _flat(_op(name)(*conv(args, lambda t: t.to("meta")), **kwargs))]
-            assert [r[:3] if r else r for r in real] == [m[:3] if m else m for m in meta], (name, args[2:])
+            assert [r[:3] if r else r for r in real] == [f[:3] if f else f for f in fake], (
+                name,
+                args[2:],
+            )
+            meta = [
+                _layout(t) for t in _flat(_op(name)(*conv(args, lambda t: t.to("meta")), **kwargs))
+            ]
+            assert [r[:3] if r else r for r in real] == [m[:3] if m else m for m in meta], (
+                name,
+                args[2:],
+            )
             assert all(m is None or m[3] == "meta" for m in meta)
 
 
@@ -168,8 +194,12 @@ def test_no_grad_and_inference_mode(pg1, ctx):
 
 def _chain(g, gather_dim, scatter_dim, return_A):
     def f(a, b1, b2):
-        a_full, (c1, c2) = torch.ops.mptp.fused_all_gather_matmul(a, [b1, b2], gather_dim, g, return_A=return_A)
-        out = torch.ops.mptp.fused_matmul_reduce_scatter(torch.relu(c1) * c2, b1.t(), "sum", scatter_dim, g)
+        a_full, (c1, c2) = torch.ops.mptp.fused_all_gather_matmul(
+            a, [b1, b2], gather_dim, g, return_A=return_A
+        )
+        out = torch.ops.mptp.fused_matmul_reduce_scatter(
+            torch.relu(c1) * c2, b1.t(), "sum", scatter_dim, g
+        )
         return out + a_full.sin() if return_A else out
 
     return f
@@ -210,7 +240,9 @@ def test_compile_scaled_forward(pg1):
     for name, samples in _scaled_samples(pg1, False).items():
         for args, kwargs in samples:
             op = _op(name)
-            cf = torch.compile(lambda *a, op=op: op(*a, **kwargs), fullgraph=True, backend="aot_eager")
+            cf = torch.compile(
+                lambda *a, op=op: op(*a, **kwargs), fullgraph=True, backend="aot_eager"
+            )
             for o, r in zip(_flat(cf(*args)), _flat(op(*args, **kwargs))):
                 assert torch.equal(o.float(), r.float()), name
 
@@ -225,7 +257,9 @@ def test_scaled_backward_raises_eager_and_compiled(pg1):
                       if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
             with pytest.raises(RuntimeError, match=f"{name} is forward-only"):
                 torch.autograd.grad(out.float().sum(), leaves)
-            cf = torch.compile(lambda *a, op=op: op(*a, **kwargs), fullgraph=True, backend="aot_eager")
+            cf = torch.compile(
+                lambda *a, op=op: op(*a, **kwargs), fullgraph=True, backend="aot_eager"
+            )
             with pytest.raises(Exception, match="forward-only"):
                 _flat(cf(*args))[-1].float().sum().backward()
 
