@@ -38,8 +38,9 @@ materialized, PyTorch skips it too); an FP8-output _scaled_mm (torch's CPU divid
 scale_result and overflows to NaN where the ops multiply and saturate); a matmul whose B
 comes from a random draw (fallback_random) or a mutation that would have to move above
 another one to reach the fused op; symbolic shapes other than the row count of a
-2-D A (a dim-0 gather or scatter of [tokens, hidden]) or in a scaled reduce-scatter;
-groups not enabled for
+2-D A (a dim-0 gather or scatter of [tokens, hidden]) or in a scaled reduce-scatter,
+symbolic sizes that may be 0 or 1 (x[:n] with a dynamic int n), and a symbolic scattered
+size not provably a multiple of the world size (each would need a guard); groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
 independent aten.mm hides (one mm hides one collective; as in PyTorch, addmm, bmm and
 _scaled_mm hide nothing).
@@ -112,7 +113,28 @@ def _shapes_ok(*vals) -> bool:
     """Static, or all 2-D: the symbolic form fused (dynamic=True; a dim-0 gather or scatter of
     [tokens, hidden], as PyTorch's pass fuses it). Every rewrite of it must prove sizes equal
     without a guard (_same_shape) and emit no node that would carry a SymInt argument."""
-    return all(_static(v) for v in vals) or all(v.dim() == 2 for v in vals)
+    return all(_static(v) for v in vals) or (
+        all(v.dim() == 2 for v in vals) and all(_not_0_or_1(v) for v in vals)
+    )
+
+
+_SYMBOLIC_WHY = "symbolic shapes other than the rows of a 2-D A, or a size that may be 0 or 1"
+
+
+def _not_0_or_1(v: torch.Tensor) -> bool:
+    """Every backed symbol of v's sizes is known to be >= 2 (unbacked ones are never guarded on).
+
+    NOTE: Dynamo's sizes are; a slice by a dynamic int (x[:n]) is not, and the restride and the
+    ops' fake impls ask whether such a size is 0 or 1, which would install a guard."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for s in v.shape:
+        if isinstance(s, torch.SymInt):
+            unbacked = free_unbacked_symbols(s)
+            bound = s.node.shape_env.bound_sympy
+            if any(bound(x).lower < 2 for x in s.node.expr.free_symbols if x not in unbacked):
+                return False
+    return True
 
 
 def _arg(n: fx.Node, i: int, name: str, default=None):
@@ -397,7 +419,8 @@ class _Matmul:
             return f"{n.name}: an FP8 output (torch's _scaled_mm and the ops define it differently)"
         if n.target is _BMM:
             B = _tval(n.args[1])
-            if B.shape[0] != 1 and B.stride(0) != 0:
+            # NOTE: without a guard (an unbacked batch size cannot be guarded on at all).
+            if not (_same_shape(B.shape[:1], [1]) or _same_shape(B.stride()[:1], [0])):
                 return f"{n.name}: bmm with a batched B (not one matrix broadcast over the batch)"
         return None
 
@@ -561,7 +584,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     if shard_val.dim() < 2:
         raise _Reject("the shard is 1-D (the ops take A with >= 2 dims)")
     if not _shapes_ok(shard_val, res_val):
-        raise _Reject("symbolic shapes other than the rows of a 2-D A")
+        raise _Reject(_SYMBOLIC_WHY)
     collective = set(m.nodes)
     matmuls, skipped = [], []
     for mm in _consumer_matmuls(m.res):
@@ -571,7 +594,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         if why is None and not _same_shape(_tval(mm.A).shape[-1:], res_val.shape[-1:]):
             why = f"{mm.node.name} multiplies a reshape of A that regroups its last dim"
         if why is None and not _shapes_ok(shard_val, res_val, _tval(mm.node)):
-            why = "symbolic shapes other than the rows of a 2-D A"
+            why = _SYMBOLIC_WHY
         (skipped if why else matmuls).append(why or mm)
     if not matmuls:
         users = sorted({str(u.target) for u in m.res.users})
@@ -716,7 +739,7 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
     C, out = _tval(m.inp), _tval(m.wait)
     X = _tval(mm.A)
     if not _shapes_ok(C, out, X):
-        raise _Reject("symbolic shapes other than the rows of a 2-D A")
+        raise _Reject(_SYMBOLIC_WHY)
     if mm.scaled and not _static(C):
         raise _Reject("symbolic shapes: the scaled op's output_shape would carry them")
     K, N = X.shape[-1], _tval(mm.node).shape[-1]
@@ -726,6 +749,12 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
         )
     if C.dim() < 2:
         raise _Reject("the reduce-scattered tensor is 1-D")
+    # NOTE: the op checks this; asked of a symbolic size it would install a guard (funcol's
+    # reduce_scatter_tensor asserts it while tracing, torch.ops._c10d_functional does not).
+    if not _same_shape([C.shape[m.scatter_dim] % _arg(m.rs, 2, "group_size")], [0]):
+        raise _Reject(
+            f"dim {m.scatter_dim} of {list(C.shape)} is not provably a multiple of the world size"
+        )
     last = m.scatter_dim == C.dim() - 1
     b = _Builder(graph, m.wait, _fake_mode([m.inp, m.wait]))
     try:
