@@ -4,9 +4,11 @@ MPTP_TIMEOUT_S       bound on every wait, in seconds (default 60).
 MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
 MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
-MPTP_CHECK_AGREEMENT 1: on groups without an mptp workspace (gloo on CPU, NCCL), check
-                     with one small collective per call that every rank makes the same
-                     call (default 0; groups with a workspace always check, for free).
+MPTP_CHECK_AGREEMENT on groups without an mptp workspace, check with one small collective
+                     per call that every rank makes the same call: "auto" (default) on
+                     gloo and other host-synchronous paths, off for CUDA tensors on NCCL
+                     (reading the answer would synchronize the stream); 1 always; 0 never.
+                     Groups with a workspace always check, through shared memory.
 MPTP_ASYNC_ERROR_HANDLING  what the watchdog does after a timed-out wait: 0 the next
                      call raises; 1 abort at once; 2 (default) the next call raises,
                      and the process aborts if none did within MPTP_TIMEOUT_S.
@@ -48,8 +50,16 @@ def timeout_s() -> float:
     return _number("MPTP_TIMEOUT_S", "60", float, _positive)
 
 
-def check_agreement() -> bool:
-    return _flag("MPTP_CHECK_AGREEMENT")
+def check_agreement(nccl: bool) -> bool:
+    """Whether a call on a group without a workspace checks agreement (nccl: CUDA tensors on NCCL)."""
+    raw = os.environ.get("MPTP_CHECK_AGREEMENT", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return not nccl
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"MPTP_CHECK_AGREEMENT: expected auto, 1 or 0, got {raw!r}")
 
 
 def async_error_handling() -> int:

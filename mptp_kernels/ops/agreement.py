@@ -6,7 +6,7 @@ all-gather-matmul's Bs, per-rank K of a matmul-reduce-scatter), the local
 decisions (can this rank's call be fused, how many workspace bytes it needs)
 and a local validation error, if any. The encoded Calls are exchanged (through
 the group's host rendezvous where it has a workspace, else, with
-MPTP_CHECK_AGREEMENT=1, through one small collective), and resolve() returns
+one small collective: by default on gloo, with MPTP_CHECK_AGREEMENT=1 on NCCL), and resolve() returns
 the same answer on every rank: a ValueError naming both calls when they
 disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 """

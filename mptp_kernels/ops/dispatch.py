@@ -5,8 +5,10 @@ Per call, on every rank:
   2. where the group has an mptp workspace (CUDA, extension built, group enabled,
      ranks on one host): exchange the call's signature and local decisions
      through the workspace's host rendezvous; elsewhere do so with one small
-     collective when MPTP_CHECK_AGREEMENT=1. Every rank then raises the same
-     ValueError if any rank rejected its inputs or the calls disagree;
+     collective (by default on gloo and host-staged paths; for CUDA tensors on
+     NCCL only with MPTP_CHECK_AGREEMENT=1, as reading it synchronizes). Every
+     rank then raises the same ValueError if any rank rejected its inputs or the
+     calls disagree;
   3. decide fused or reference from what every rank published (fused only if
      every rank's call qualifies; workspace grown to the largest need), so the
      decision is identical on every rank by construction;
@@ -169,6 +171,18 @@ def _cuda_transport(group_name: str):
     return transport.HostTransport()
 
 
+def _check_agreement(group_name: str, is_cuda: bool) -> bool:
+    """Whether this call on a group without a workspace checks agreement with one collective."""
+    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    try:
+        backend = str(dist.get_backend(pg)).lower()
+    except (ValueError, RuntimeError):  # outside the world's group map: c10d's collectives refuse it too
+        return False
+    if backend == "fake":  # a fake group moves no data: there is nothing to agree with
+        return False
+    return env.check_agreement(nccl=is_cuda and "nccl" in backend)
+
+
 def _count(name: str, path: str, A) -> None:
     if isinstance(A, torch.Tensor) and A.is_cuda:
         PATH_COUNTS[(name, path)] += 1
@@ -264,7 +278,7 @@ def run(name: str, *args, **kwargs):
             payloads = ws.rendezvous.exchange(call.encode(), what)
         except PeerTimeout as e:
             raise RuntimeError(str(e)) from None
-    elif W > 1 and env.check_agreement():
+    elif W > 1 and _check_agreement(group_name, is_cuda):
         payloads = agreement.exchange_collective(call.encode(), group_name, what)
     if payloads is not None:
         rank = ws.rank if ws is not None else dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))

@@ -442,16 +442,11 @@ def _own_workers(env, fn, timeout_s):
 
 
 def test_uneven_plain_shards_check_agreement():
-    """With MPTP_CHECK_AGREEMENT=1 (what gloo groups need for it) every rank raises the same error."""
+    """With MPTP_CHECK_AGREEMENT=1 every rank raises the same error."""
     _own_workers({"MPTP_CHECK_AGREEMENT": "1"}, _uneven_plain_shards, 120)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ops/dispatch.py checks that the ranks agree on gloo groups only under "
-    "MPTP_CHECK_AGREEMENT=1: unequal plain shards abort gloo on one rank (EnforceNotMet) and "
-    "hang the other; a fix there: check agreement by default on CPU tensors",
-)
 def test_uneven_plain_shards_default():
-    _own_workers({"MPTP_CHECK_AGREEMENT": "0"}, _uneven_plain_shards, 20)
+    """Default settings: gloo groups check agreement (it was opt-in, and gloo aborted one rank
+    (EnforceNotMet) and hung the other)."""
+    _own_workers({}, _uneven_plain_shards, 120)

@@ -148,3 +148,20 @@ def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
     fn = env.timeout_s if var == "MPTP_TIMEOUT_S" else env.async_error_handling
     with pytest.raises(ValueError, match=var):
         fn()
+
+
+@pytest.mark.parametrize("value,gloo,nccl", [(None, True, False), ("auto", True, False), ("1", True, True),
+                                             ("0", False, False), ("maybe", None, None)])  # fmt: skip
+def test_check_agreement_defaults_on_except_nccl(monkeypatch, value, gloo, nccl):
+    # auto: gloo paths are host-synchronous anyway; on NCCL reading the answer would sync the stream.
+    from mptp_kernels import env
+
+    if value is None:
+        monkeypatch.delenv("MPTP_CHECK_AGREEMENT", raising=False)
+    else:
+        monkeypatch.setenv("MPTP_CHECK_AGREEMENT", value)
+    if gloo is None:
+        with pytest.raises(ValueError, match="MPTP_CHECK_AGREEMENT"):
+            env.check_agreement(nccl=False)
+        return
+    assert env.check_agreement(nccl=False) is gloo and env.check_agreement(nccl=True) is nccl
