@@ -19,6 +19,7 @@ The path taken is counted in PATH_COUNTS ((op, "fused" | "reference") -> calls o
 CUDA tensors) and logged once per reason under MPTP_LOG=1.
 """
 
+import contextlib
 import functools
 import math
 from collections import Counter
@@ -265,6 +266,8 @@ def run(name: str, *args, **kwargs):
     ws, ws_why = (None, None)
     if is_cuda and W > 1:
         ws, ws_why = _workspace(group_name, A.device, call.need)
+    if ws is not None and getattr(ws, "broken", None):
+        raise RuntimeError(ws.broken)
     if ws is None and runner is not None and W > 1:
         runner, why = None, ws_why
         call.fusable = False
@@ -277,6 +280,7 @@ def run(name: str, *args, **kwargs):
         try:
             payloads = ws.rendezvous.exchange(call.encode(), what)
         except PeerTimeout as e:
+            ws.broken = str(e)  # the call numbers are out of step for good
             raise RuntimeError(str(e)) from None
     elif W > 1 and _check_agreement(group_name, is_cuda):
         payloads = agreement.exchange_collective(call.encode(), group_name, what)
@@ -300,7 +304,8 @@ def run(name: str, *args, **kwargs):
     if runner is not None:
         _count(name, "fused", A)
         env.log_once((name, "fused"), "%s: fused path", name)
-        return runner(ws)
+        with _guard(ws, what), torch.cuda.device(A.device):  # a Python op gets no device guard
+            return runner(ws)
     _count(name, "reference", A)
     tr = None
     if is_cuda and W > 1:
@@ -308,8 +313,23 @@ def run(name: str, *args, **kwargs):
         TRANSPORT_COUNTS[(name, tr.name if tr is not None else "nccl")] += 1
     env.log_once((name, why, getattr(tr, "name", None)), "%s: reference path (%s) over %s", name, why,
                  getattr(tr, "name", "functional collectives"))  # fmt: skip
-    with transport.using(tr):
+    with _guard(ws, what), transport.using(tr):
         return ref_fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _guard(ws, what: str):
+    """Marks the workspace broken when the call raises after its rendezvous: its signals and
+    buffers may be half-way through the protocol, so every later call on it raises instead of
+    pairing with a peer's other call (wrong data without an error)."""
+    try:
+        yield
+    except BaseException as e:
+        if ws is not None:
+            ws.broken = (f"{what}: an earlier call raised part-way on rank {ws.rank} "
+                         f"({type(e).__name__}: {e}); this group's mptp state is out of step with its "
+                         "peers: restart the job")  # fmt: skip
+        raise
 
 
 def _op(name):

@@ -143,6 +143,11 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     ws.put_signal(CH_READY)
     ws.wait_signal(CH_READY, tag=_TAG_AG)
     st.side.wait_stream(main)
+    # NOTE: recorded before anything can raise: a call that fails below must not hand A_full
+    # back to the allocator while the side stream's copies still land in it.
+    A_full.record_stream(st.side)
+    if scale_full is not None:
+        scale_full.record_stream(st.side)
     copies = []
     for i in range(1, W):
         p = (rank + i) % W
@@ -166,13 +171,12 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         else:
             a_s = A_scale.float()
         outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
-    st.flags.zero_()
+    # Join first: every flag write of the side stream has landed before the reset (a consumer
+    # that timed out, or had no tile to compute, did not wait for all of them).
     main.wait_stream(st.side)
+    st.flags.zero_()
     if return_A:  # NOTE: a gathered A whose READY wait timed out holds stale bytes: poison it
         poison_if_error(A_full, ws.err)
-    A_full.record_stream(st.side)
-    if scale_full is not None:
-        scale_full.record_stream(st.side)
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
     A_ret = A_full.view(*full_lead, K).movedim(0, gather_dim) if return_A else None
     return A_ret, outs

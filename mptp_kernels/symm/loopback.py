@@ -43,7 +43,7 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
         self.device = device = torch.device(device)
-        self._freed, self.captured = False, False
+        self._freed, self.captured, self.broken = False, False, None
         self._opened, self._local = [], []
         self.nbytes = max(int(nbytes), 1)
         self.rendezvous = _LoopbackRendezvous(W)

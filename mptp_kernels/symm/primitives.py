@@ -208,6 +208,7 @@ class SymmetricMemory:
         self.device = device = torch.device(device)
         self._freed = False
         self.captured = False
+        self.broken: Optional[str] = None  # set when a call raised part-way: every later call raises
         self._local: List[int] = []
         self._opened: List[int] = []
         self.rendezvous = None
@@ -215,17 +216,42 @@ class SymmetricMemory:
         sizes: List = [None] * W
         dist.all_gather_object(sizes, int(nbytes), group=group)
         nbytes = max(sizes)
-        with torch.cuda.device(device):
-            buf, granted = self._alloc(lib, max(nbytes, 1))
-            pad, _ = self._alloc(lib, NUM_CHANNELS * W * 4)
+        # NOTE: an allocation or export that fails on one rank must not leave its peers in the
+        # collectives below (a hang until the process group's timeout) nor split the group
+        # between paths: it is carried into the agreed `problems`, so every rank raises.
+        buf = pad = None
+        granted, handles, local_problem = 0, None, None
+        for attempt in (0, 1):
+            try:
+                with torch.cuda.device(device):
+                    buf, granted = self._alloc(lib, max(nbytes, 1))
+                    pad, _ = self._alloc(lib, NUM_CHANNELS * W * 4)
+                break
+            except RuntimeError as e:
+                for p in (buf, pad):
+                    if p:
+                        lib.mptp_free(ctypes.c_void_p(p))
+                buf = pad = None
+                if attempt == 0:  # the caching allocator may hold what cudaMalloc needs
+                    try:
+                        torch.cuda.synchronize(device)
+                        torch.cuda.empty_cache()
+                    except RuntimeError:
+                        pass
+                else:
+                    local_problem = f"rank {self.rank}: cannot allocate {max(nbytes, 1)} bytes ({e})"
         self.nbytes = granted
         # Phase 1: export the local handles as bytes (rank 0 also creates the rendezvous file).
-        hb = lib.mptp_ipc_handle_bytes()
-        handles = []
-        for ptr in (buf, pad):
-            h = ctypes.create_string_buffer(hb)
-            _C.check(lib.mptp_export_handle(ctypes.c_void_p(ptr), h), "cudaIpcGetMemHandle")
-            handles.append(h.raw)
+        if local_problem is None:
+            try:
+                hb = lib.mptp_ipc_handle_bytes()
+                handles = []
+                for ptr in (buf, pad):
+                    h = ctypes.create_string_buffer(hb)
+                    _C.check(lib.mptp_export_handle(ctypes.c_void_p(ptr), h), "cudaIpcGetMemHandle")
+                    handles.append(h.raw)
+            except RuntimeError as e:
+                handles, local_problem = None, f"rank {self.rank}: {e}"
         shm_path = None
         if self.rank == 0 and W > 1:
             shm_path = HostRendezvous.new_path()
@@ -236,6 +262,10 @@ class SymmetricMemory:
         dist.all_gather_object(all_info, info, group=group)
         buf_ptrs, pad_ptrs, problem = [], [], None
         try:
+            if local_problem is not None:
+                raise RuntimeError(local_problem.split(": ", 1)[1])
+            if any(hs is None for hs, _, _, _, _ in all_info):  # that rank reports its own problem
+                raise RuntimeError("a peer rank has no buffer to map")
             hosts = {h for _, _, _, h, _ in all_info}
             if len(hosts) != 1:
                 raise RuntimeError(f"the group spans hosts {sorted(hosts)}")
@@ -273,7 +303,8 @@ class SymmetricMemory:
             for p in self._opened:
                 lib.mptp_close_handle(ctypes.c_void_p(p))
             for p in (buf, pad):
-                lib.mptp_free(ctypes.c_void_p(p))
+                if p:
+                    lib.mptp_free(ctypes.c_void_p(p))
             self._opened, self._freed = [], True
             if self.rendezvous is not None:
                 self.rendezvous.close()

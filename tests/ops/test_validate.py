@@ -165,3 +165,22 @@ def test_check_agreement_defaults_on_except_nccl(monkeypatch, value, gloo, nccl)
             env.check_agreement(nccl=False)
         return
     assert env.check_agreement(nccl=False) is gloo and env.check_agreement(nccl=True) is nccl
+
+
+def test_a_call_that_raises_part_way_marks_the_workspace_broken():
+    # After the rendezvous a failure leaves signals half-way: later calls must raise, not pair up wrongly.
+    from types import SimpleNamespace
+
+    from mptp_kernels.ops.dispatch import _guard
+
+    ws = SimpleNamespace(rank=1, broken=None)
+    with _guard(ws, "mptp op on group 'g'"):
+        pass
+    assert ws.broken is None
+    with pytest.raises(MemoryError):
+        with _guard(ws, "mptp op on group 'g'"):
+            raise MemoryError("out of memory")
+    assert "rank 1" in ws.broken and "MemoryError" in ws.broken and "group 'g'" in ws.broken
+    with pytest.raises(KeyError):
+        with _guard(None, "w"):  # no workspace (CPU, NCCL): nothing to mark
+            raise KeyError("x")
