@@ -319,17 +319,37 @@ def run(name: str, *args, **kwargs):
 
 @contextlib.contextmanager
 def _guard(ws, what: str):
-    """Marks the workspace broken when the call raises after its rendezvous: its signals and
-    buffers may be half-way through the protocol, so every later call on it raises instead of
-    pairing with a peer's other call (wrong data without an error)."""
+    """Runs one call on the workspace: ordered after the previous call, and marked broken if it
+    raises after its rendezvous.
+
+    Order: every call shares the workspace's flags, signal counters and buffers, and enqueues
+    on the caller's current stream; a call on another stream than the previous one first waits
+    for the previous one's end (an event), so two calls never overlap on the GPU.
+    NOTE: not inside CUDA-graph capture (an event recorded outside a capture cannot order it;
+    capture from the stream of the eager calls, or synchronize before capturing).
+    Broken: a call that raises may leave signals and buffers half-way through the protocol, so
+    every later call on the workspace raises instead of pairing with a peer's other call."""
+    if ws is None:
+        yield
+        return
+    stream = torch.cuda.current_stream(ws.device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    last = getattr(ws, "last_call", None)
+    if last is not None and not capturing and last[0] != stream:
+        stream.wait_event(last[1])
     try:
         yield
     except BaseException as e:
-        if ws is not None:
-            ws.broken = (f"{what}: an earlier call raised part-way on rank {ws.rank} "
-                         f"({type(e).__name__}: {e}); this group's mptp state is out of step with its "
-                         "peers: restart the job")  # fmt: skip
+        ws.broken = (f"{what}: an earlier call raised part-way on rank {ws.rank} "
+                     f"({type(e).__name__}: {e}); this group's mptp state is out of step with its "
+                     "peers: restart the job")  # fmt: skip
         raise
+    if capturing:
+        ws.last_call = None  # replays run on the capture's stream: no eager event orders them
+    else:
+        ev = last[1] if last is not None else torch.cuda.Event()
+        ev.record(stream)
+        ws.last_call = (stream, ev)
 
 
 def _op(name):

@@ -167,20 +167,49 @@ def test_check_agreement_defaults_on_except_nccl(monkeypatch, value, gloo, nccl)
     assert env.check_agreement(nccl=False) is gloo and env.check_agreement(nccl=True) is nccl
 
 
-def test_a_call_that_raises_part_way_marks_the_workspace_broken():
-    # After the rendezvous a failure leaves signals half-way: later calls must raise, not pair up wrongly.
+def test_workspace_calls_are_ordered_and_a_failure_marks_it_broken(monkeypatch):
+    # Calls share flags/counters: one on another stream waits for the previous call's end. After
+    # the rendezvous a failure leaves signals half-way: later calls must raise, not pair up wrongly.
     from types import SimpleNamespace
 
-    from mptp_kernels.ops.dispatch import _guard
+    from mptp_kernels.ops import dispatch
 
-    ws = SimpleNamespace(rank=1, broken=None)
-    with _guard(ws, "mptp op on group 'g'"):
+    log, current, capturing = [], ["s1"], [False]
+
+    class Stream(str):
+        def wait_event(self, ev):
+            log.append(("wait", str(self), ev.name))
+
+    class Event:
+        n = 0
+
+        def __init__(self):
+            Event.n += 1
+            self.name = f"e{Event.n}"
+
+        def record(self, stream):
+            log.append(("record", str(stream), self.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    ws = SimpleNamespace(rank=1, broken=None, device="cuda:0")
+    for s in ("s1", "s1", "s2"):
+        current[0] = s
+        with dispatch._guard(ws, "mptp op on group 'g'"):
+            log.append(("call", s))
+    assert log == [("call", "s1"), ("record", "s1", "e1"), ("call", "s1"), ("record", "s1", "e1"),
+                   ("wait", "s2", "e1"), ("call", "s2"), ("record", "s2", "e1")]  # fmt: skip
+    capturing[0], log[:] = True, []
+    current[0] = "cap"
+    with dispatch._guard(ws, "w"):  # no eager event inside a capture; forgotten after it
         pass
-    assert ws.broken is None
+    assert log == [] and ws.last_call is None and ws.broken is None
+    capturing[0] = False
     with pytest.raises(MemoryError):
-        with _guard(ws, "mptp op on group 'g'"):
+        with dispatch._guard(ws, "mptp op on group 'g'"):
             raise MemoryError("out of memory")
     assert "rank 1" in ws.broken and "MemoryError" in ws.broken and "group 'g'" in ws.broken
     with pytest.raises(KeyError):
-        with _guard(None, "w"):  # no workspace (CPU, NCCL): nothing to mark
+        with dispatch._guard(None, "w"):  # no workspace (CPU, NCCL): nothing to order or mark
             raise KeyError("x")
