@@ -67,9 +67,12 @@ def _g():
 class _Cases:
     """Collects failing cases; every rank runs every case, so collectives stay matched."""
 
-    def __init__(self):
+    def __init__(self, terms=1):
         self.failures = []
         self.n = 0
+        # Partial products summed per output element (a reduce-scatter's W): each carries its
+        # own rounding, so value tolerances scale with it.
+        self.terms = terms
 
     @contextlib.contextmanager
     def case(self, what):
@@ -121,13 +124,14 @@ def _same_layout(ours, theirs, what):
         assert got == want, f"{what}[{i}]: (shape, stride, dtype, device) {got} != PyTorch's {want}"
 
 
-def _close_to_fallback(a, b, what, fp8_ulps=1):
+def _close_to_fallback(a, b, what, fp8_ulps=1, terms=1):
     """Values equal to the fallback's up to rounding.
 
     Both sides run the same CPU kernels on the same inputs, so they differ at most by
     the BLAS blocking of a differently strided operand: 4 ulps of the output dtype,
     relative to the output's largest magnitude (a dot product's rounding scales with
-    its terms, not its sum). FP8 outputs: fp8_ulps ulp per element, since CPU
+    its terms, not its sum), times the number of partials summed (terms: a reduce-scatter
+    adds W products, each rounded on its own). FP8 outputs: fp8_ulps ulp per element, since CPU
     _scaled_mm rounds a tensor-wise FP8 output twice (mptp rounds once, from fp32).
     """
     if a.dtype in FP8:
@@ -141,7 +145,7 @@ def _close_to_fallback(a, b, what, fp8_ulps=1):
         return
     eps = torch.finfo(a.dtype).eps
     scale = b.double().abs().max().item() if b.numel() else 0.0
-    torch.testing.assert_close(a.double(), b.double(), rtol=4 * eps, atol=4 * eps * scale + 1e-300, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(a.double(), b.double(), rtol=4 * eps * terms, atol=4 * eps * terms * scale + 1e-300, msg=lambda m: f"{what}: {m}")
 
 
 def _differential(c, what, ours_fn, theirs_fn):
@@ -158,7 +162,7 @@ def _differential(c, what, ours_fn, theirs_fn):
         _same_layout(ours, theirs, what)
         for i, (a, b) in enumerate(zip(_flat(ours), _flat(theirs))):
             if a is not None:
-                _close_to_fallback(a, b, f"{what}[{i}]")
+                _close_to_fallback(a, b, f"{what}[{i}]", terms=c.terms)
         return ours, theirs
 
 
@@ -320,7 +324,7 @@ def test_all_gather_matmul_edges(request, world):
 def _rs_parity(seed, dtypes):
     from torch.distributed._symmetric_memory import _fused_matmul_reduce_scatter_fallback as fallback
 
-    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases()
+    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases(terms=dist.get_world_size())
     op = torch.ops.mptp.fused_matmul_reduce_scatter
     i = 0
     for dtype in dtypes:
@@ -364,7 +368,7 @@ def _rs_edges(seed):
     import mptp_kernels
     from torch.distributed._symmetric_memory import _fused_matmul_reduce_scatter_fallback as fallback
 
-    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases()
+    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases(terms=dist.get_world_size())
     op = torch.ops.mptp.fused_matmul_reduce_scatter
     A1, B1 = randn((6, 1), seed + r), randn((1, 6), seed + 99)
     _differential(c, "K=1", lambda: op(A1, B1, "sum", 0, _g()), lambda: fallback(A1, B1, "sum", 0, _g()))
@@ -556,14 +560,21 @@ def _ag_scaled_edges(seed):
     for what, args in (
         ("bf16 row-wise A_scale", (row.bfloat16(), [Brow], [None], [None], [BF16])),
         ("float64 row-wise B_scale", (row, [Brow.double()], [None], [None], [BF16])),
-        ("int32 out_dtype", (one, [one], [None], [None], [torch.int32])),
-        ("float64 out_dtype", (one, [one], [None], [None], [F64])),
         ("float64 result_scale, FP8 output", (one, [one], [None], [torch.ones((), dtype=F64)], [None])),
-        ("float64 bias", (one, [one], [torch.zeros(16, dtype=F64)], [None], [F32])),
     ):
         sa, bss, biases, rss, ods = args
         _differential(c, what, lambda: op(A, [B], sa, bss, 0, _g(), biases, rss, ods, [False]),
                       lambda: fallback(A, [B], sa, bss, 0, _g(), biases, rss, ods, [False]))  # fmt: skip
+    # NOTE: CUDA _scaled_mm rejects these; CPU _scaled_mm of torch 2.14 writes them (tensor-wise).
+    # mptp raises on every device, before communicating: a call that runs in a CPU test must not
+    # fail on the GPU.
+    for what, needle, args in (
+        ("int32 out_dtype", "out_dtypes[0]", ([None], [torch.int32])),
+        ("float64 out_dtype", "out_dtypes[0]", ([None], [F64])),
+        ("float64 bias", "biases[0]", ([torch.zeros(16, dtype=F64)], [F32])),
+    ):
+        biases, ods = args
+        _raises(c, what, lambda: op(A, [B], one, [one], 0, _g(), biases, [None], ods, [False]), needle=needle)
     # A [1, N] bias is the [N] one (CUDA _scaled_mm checks its numel, the CPU broadcasts it).
     bias2d = randn((1, 16), seed + 6, dtype=BF16)
     _differential(c, "[1, N] bias", lambda: op(A, [B], row, [Brow], 0, _g(), [bias2d], [None], [BF16], [False]),
@@ -605,7 +616,7 @@ def _rs_scaled_ref(As, scales, B, B_scale, bias, reduce_op, out_shape, sd, W, r,
 def _rs_scaled_parity(seed, a_dtypes):
     from torch.distributed._symmetric_memory import _fused_scaled_matmul_reduce_scatter_fallback as fallback
 
-    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases()
+    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases(terms=dist.get_world_size())
     op = torch.ops.mptp.fused_scaled_matmul_reduce_scatter
     i = 0
     for a_dtype in a_dtypes:
@@ -668,7 +679,7 @@ def test_scaled_matmul_reduce_scatter_parity(request, world, a_dtypes):
 def _rs_scaled_edges(seed):
     from torch.distributed._symmetric_memory import _fused_scaled_matmul_reduce_scatter_fallback as fallback
 
-    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases()
+    W, r, c = dist.get_world_size(), dist.get_rank(), _Cases(terms=dist.get_world_size())
     op = torch.ops.mptp.fused_scaled_matmul_reduce_scatter
     Bt, M, N = 4, 6, 12
     # The micro-pipeline pass's reshape: A flattened to 2-D, output_shape and orig_scatter_dim
@@ -709,16 +720,18 @@ def _rs_scaled_edges(seed):
             needle="reduce_op")  # fmt: skip
     for what, sa, sb, bias, rs, od in (
         ("bf16 row-wise A_scale", s.bfloat16(), B_scale, None, None, BF16),
-        ("float64 out_dtype", one, one, None, None, F64),
         ("float64 result_scale", s, B_scale, None, torch.ones((), dtype=F64), BF16),
-        ("float64 bias", one, one, torch.zeros(N, dtype=F64), None, F32),
     ):
         _differential(c, what, lambda: op(A, B, sa, sb, "sum", 0, 0, _g(), [Bt * M, N], bias, rs, od, False),
                       lambda: fallback(A, B, sa, sb, "sum", 0, 0, _g(), [Bt * M, N], bias, rs, od, False))  # fmt: skip
-        # NOTE: CPU _scaled_mm's row-wise path alone writes float64 and takes a float64 bias (its
-        # tensor-wise path and CUDA's raise): mptp raises for every scaling.
-        if sa.numel() == 1:
-            _raises(c, what + ", row-wise", lambda: op(A, B, s, B_scale, "sum", 0, 0, _g(), [Bt * M, N], bias, rs, od, False))
+    # NOTE: CUDA _scaled_mm rejects a float64 output or bias; CPU _scaled_mm writes them (torch
+    # 2.14 tensor- and row-wise, older ones row-wise only). mptp raises for every scaling and
+    # device, before communicating.
+    for what, bias, od, needle in (("float64 out_dtype", None, F64, "out_dtype"),
+                                   ("float64 bias", torch.zeros(N, dtype=F64), F32, "bias")):  # fmt: skip
+        for mode, sa, sb in (("tensor-wise", one, one), ("row-wise", s, B_scale)):
+            _raises(c, f"{what}, {mode}", lambda: op(A, B, sa, sb, "sum", 0, 0, _g(), [Bt * M, N], bias, None, od, False),
+                    needle=needle)  # fmt: skip
     bias2d = randn((1, N), seed + 6, dtype=BF16)
     _differential(c, "[1, N] bias", lambda: op(A, B, s, B_scale, "avg", 0, 0, _g(), [Bt * M, N], bias2d, None, BF16, False),
                   lambda: fallback(A, B, s, B_scale, "avg", 0, 0, _g(), [Bt * M, N], bias2d, None, BF16, False))  # fmt: skip
