@@ -3,7 +3,8 @@
 # simulated ranks, M = 8192, by default and with MPTP_FORCE_FUSED=1), one TP MLP training step
 # (W = 2 processes sharing the GPU) and the host-cost profile. Everything lands in $OUT:
 #   run.log, profile_host.txt, *.csv (default dispatch), forced/*.csv (MPTP_FORCE_FUSED=1).
-# Usage (device): MPTP_BENCH_COMMIT=<sha> bash scripts/gpu_record.sh ; EXTRA="..." runs first.
+# Usage (device): MPTP_BENCH_COMMIT=<sha> bash scripts/gpu_record.sh ; EXTRA="..." runs first;
+# FORCED_RUNS="0" skips the forced-dispatch runs, PROFILE=0 the host-cost profile.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/forced"
 export PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ for f in all_gather_matmul matmul_reduce_scatter tp_step; do
   [ -f "bench/results/$f.csv" ] && cp "bench/results/$f.csv" "$OUT/"
 done
 Ms=${MS:-8192}
-for forced in 0 1; do
+for forced in ${FORCED_RUNS:-0 1}; do
   dir="$OUT"; [ "$forced" = 1 ] && dir="$OUT/forced"
   step "all-gather-matmul loopback-op M=$Ms MPTP_FORCE_FUSED=$forced"
   MPTP_FORCE_FUSED=$forced MPTP_RESULTS_DIR="$dir" timeout 200 python3 bench/bench_all_gather_matmul.py \
@@ -30,6 +31,8 @@ done
 step "TP MLP training step, W=2 sharing the GPU"
 MPTP_RESULTS_DIR="$OUT" timeout 150 python3 -m torch.distributed.run --nproc-per-node 2 bench/bench_tp_step.py \
   >> "$LOG" 2>&1 || echo "exit $?" >> "$LOG"
-step "host cost"
-timeout 90 python3 bench/profile_host.py --calls 200 > "$OUT/profile_host.txt" 2>&1 || echo "exit $?" >> "$LOG"
+if [ "${PROFILE:-1}" = 1 ]; then
+  step "host cost"
+  timeout 90 python3 bench/profile_host.py --calls 200 > "$OUT/profile_host.txt" 2>&1 || echo "exit $?" >> "$LOG"
+fi
 step done

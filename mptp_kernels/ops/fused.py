@@ -148,15 +148,19 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     A_full.record_stream(st.side)
     if scale_full is not None:
         scale_full.record_stream(st.side)
-    copies = []
-    for i in range(1, W):
-        p = (rank + i) % W
-        if scale_rows is not None:
-            src = ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32)
-            copies.append((scale_full[p * rows : (p + 1) * rows], src, None))
-        copies.append((chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]))
+    peers = [(rank + i) % W for i in range(1, W)]
+    if scale_rows is not None:
+        # NOTE: the row scales are pulled first, and the consumer is launched only after them
+        # (an event): it holds every SM and spins on chunk flags only, so nothing it waits for
+        # may queue behind it, and a small device-to-device copy may be run by a kernel.
+        scales = [(scale_full[p * rows : (p + 1) * rows],
+                   ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32), None) for p in peers]  # fmt: skip
+        P.pull_chunks(scales, 1, stream=st.side)
+        scales_in = torch.cuda.Event()
+        scales_in.record(st.side)
+        main.wait_event(scales_in)
     # One call: W-1 copy-engine pulls, each followed by its chunk flag (memop).
-    P.pull_chunks(copies, 1, stream=st.side)
+    P.pull_chunks([(chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]) for p in peers], 1, stream=st.side)
     ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
               timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG)  # fmt: skip
