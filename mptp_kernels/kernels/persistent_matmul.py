@@ -7,10 +7,11 @@ are split into W chunks of M // W rows; `order[i]` is the i-th chunk to compute.
 * consumer (MODE=1): before loading rows of chunk c the program waits (acquire)
   until flags[c] >= epoch. NOTE: flags are written by copy-engine streams or
   stream memory operations, never by another kernel, so spinning here cannot
-  deadlock even when this kernel holds every SM. After each chunk's wait the
-  program reads err[0] (the process's error record): if any wait timed out, it
-  stores NaN to that chunk's tiles instead of the product, so a call that lost
-  a peer never returns normal-looking output.
+  deadlock even when this kernel holds every SM. A wait that times out fills
+  err (the process's error record) and gives up; after the launch, every output
+  is overwritten with NaN if err[0] is set (poison.py: one read of the
+  host-mapped record per output, not one per program and chunk), so a call that
+  lost a peer never returns normal-looking output.
 * producer (MODE=2): after storing a tile of chunk c the program bumps
   counters[c]; the program that stores the chunk's last tile resets the counter
   and publishes flags[c] = epoch with release semantics.
@@ -36,6 +37,7 @@ from ..symm.triton_sync import signal_release, wait_acquire
 from . import epilogue
 from .epilogue import load_result_scale, to_output
 from .launch import launch
+from .poison import poison_if_error
 
 MAX_B = 3
 MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
@@ -111,7 +113,6 @@ def _persistent_matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     out_factor = load_result_scale(RS, RS_MODE)
     ready_chunk = -1
-    failed = 0  # consumer: err[0] as read after this chunk's wait
 
     for tile in range(pid, total, NUM_SMS):
         idx = tile // tiles_per_chunk
@@ -120,7 +121,6 @@ def _persistent_matmul_kernel(
         if MODE == 1:
             if chunk != ready_chunk:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
-                failed = tl.load(err_ptr, volatile=True)
                 ready_chunk = chunk
         # Which B does this tile belong to?
         b = 0
@@ -177,8 +177,6 @@ def _persistent_matmul_kernel(
             acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
         if RS_MODE != 0:
             acc = acc * out_factor
-        if MODE == 1:
-            acc = tl.where(failed != 0, float("nan"), acc)
         if SCATTER:
             # Chunk c's rows go to D_c (e.g. rank c's symmetric buffer), rows renumbered from 0.
             Cp = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
@@ -228,11 +226,9 @@ def _persistent_matmul_tma_kernel(
         chunk = tl.load(order_ptr + idx)
         # First tile of this chunk that is ours: global index idx * tiles_per_chunk + t == pid (mod NUM_SMS).
         first = (pid + NUM_SMS - (idx * tiles_per_chunk) % NUM_SMS) % NUM_SMS
-        failed = 0
         if MODE == 1:
             if first < tiles_per_chunk:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
-                failed = tl.load(err_ptr, volatile=True)
         row_start = chunk * chunk_m
         for t in tl.range(first, tiles_per_chunk, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
@@ -266,8 +262,6 @@ def _persistent_matmul_tma_kernel(
                 acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if RS_MODE != 0:
                 acc = acc * out_factor
-            if MODE == 1:
-                acc = tl.where(failed != 0, float("nan"), acc)
             # int64 rows: rows * N passes 2**31 on large outputs.
             c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
@@ -408,6 +402,15 @@ def default_error_record(device) -> torch.Tensor:
     return err
 
 
+def _poisoned(outs: List[torch.Tensor], mode: int, err: torch.Tensor) -> List[torch.Tensor]:
+    """Consumer mode: every output becomes NaN if err[0] is set once the launch is done (a wait
+    of this launch or an earlier one of the process timed out)."""
+    if mode == MODE_CONSUMER:
+        for o in outs:
+            poison_if_error(o, err)
+    return outs
+
+
 def persistent_matmul(
     A: torch.Tensor,
     Bs: Sequence[torch.Tensor],
@@ -447,9 +450,10 @@ def persistent_matmul(
         biases: per B None or [N_i].
         num_chunks, order, flags, counters, epoch, mode: see the module docstring.
         err: int32 [6] error record (csrc/symm/symm.h ErrorRecord). A consumer wait that times
-            out fills it (failed, channel=-1, peer=chunk, expected=epoch, seen, tag); after each
-            chunk's wait the consumer reads err[0] and, if nonzero, stores NaN to that chunk's
-            tiles. Default: default_error_record(device). Unused in the other modes.
+            out fills it (failed, channel=-1, peer=chunk, expected=epoch, seen, tag); after the
+            launch every output is overwritten with NaN if err[0] is nonzero (stream-ordered,
+            one read of the record per output). Default: default_error_record(device). Unused
+            in the other modes.
         scatter_to: up to 8 tensors, one per chunk; chunk c's [M // num_chunks, N]
             rows are stored to scatter_to[c] (contiguous) instead of outs (one B only).
         kernel: one of KERNELS; "auto" follows AUTO_KERNEL, the others are forced
@@ -513,9 +517,9 @@ def persistent_matmul(
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
                 result_scale if result_scale is not None else dummy_f, tag, fp8_out)
         if not auto:
-            return _launch_tma(*args)
+            return _poisoned(_launch_tma(*args), mode, err)
         try:
-            return _launch_tma(*args)
+            return _poisoned(_launch_tma(*args), mode, err)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without tensor descriptors
             USE_TMA = False
             from .. import env
@@ -556,7 +560,7 @@ def persistent_matmul(
         )  # fmt: skip
         launch(_persistent_matmul_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results += gC
-    return results
+    return _poisoned(results, mode, err)
 
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,

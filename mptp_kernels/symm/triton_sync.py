@@ -51,7 +51,7 @@ def signal_release(ptr, value):
 
 
 @triton.jit
-def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr = 256):
+def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr = 2048):
     """Spins (acquire, system scope) until *ptr >= value, at most timeout_ns.
 
     On timeout the first timed-out waiter of the process fills the int32[6]

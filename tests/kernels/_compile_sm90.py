@@ -1,7 +1,7 @@
 """Compiles every kernel variant for sm_90 without a GPU; prints one JSON line per launch.
 
 Run by test_compile_sm90.py in a subprocess with TRITON_INTERPRET=0: the launches of
-persistent_matmul / reduce_partials are captured with CPU tensors (instead of running) and
+persistent_matmul / reduce_partials / poison_if_error are captured with CPU tensors (instead of running) and
 compiled with triton.compile(target=cuda sm_90), so the GPU-only paths (hardware FP8 casts,
 globaltimer, tensor descriptors) are type-checked on machines without a GPU.
 """
@@ -26,6 +26,7 @@ except (ImportError, AssertionError) as e:  # another Triton's internals: nothin
     sys.exit(0)
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.kernels import poison as pz  # noqa: E402
 from mptp_kernels.kernels import reduce as rd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -57,6 +58,7 @@ def main():
     pm._persistent_matmul_kernel = _Capture(pm._persistent_matmul_kernel)
     pm._persistent_matmul_tma_kernel = _Capture(pm._persistent_matmul_tma_kernel)
     rd._reduce_partials_kernel = _Capture(rd._reduce_partials_kernel)
+    pz._poison_kernel = _Capture(pz._poison_kernel)
     fp8 = torch.float8_e4m3fn
     cfg = pm.Config(32, 32, 32, 4, 4, 2)
     M, K, N = 256, 128, 192
@@ -90,7 +92,6 @@ def main():
             "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
             "st_v4": "st.global.v4" in ptx,
             "narrow_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.[bu](?:8|16)\b", ptx)),
-            "has_err": kwargs.get("HAS_ERR"),
             "volatile_loads": len(re.findall(r"ld\.volatile", ptx)),
             "globaltimer": "globaltimer" in ptx,
             "fp8_casts": sorted(set(re.findall(r"cvt\.rn\.satfinite\.(\w+)\.f32", ptx))),

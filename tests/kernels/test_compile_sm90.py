@@ -2,8 +2,8 @@
 
 The interpreter never runs the GPU-only code (hardware FP8 casts, the globaltimer timeout,
 tensor descriptors), so this is the CPU check that it still compiles (as JITFunction.run
-would, with the same specialization), that the plain matmul has no load of the error record
-while the consumer has, and that production tiles keep 16-byte vectorized loads and stores.
+would, with the same specialization), that only the poison check loads the error record,
+and that production tiles keep 16-byte vectorized loads and stores.
 """
 
 import json
@@ -27,17 +27,22 @@ def test_kernels_compile_for_sm90():
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout.strip())
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(rows) == 13
+    # 13 launches, plus a poison check after each of the 4 consumer launches and the reduction.
+    assert len(rows) == 18, [r["kernel"] for r in rows]
     (big,) = [r for r in rows if r["block_n"] == 256]
     # NOTE: element-wise (8/16-bit) loads mean a lost contiguity hint: B loaded 25x slower.
     assert big["cp_async_16"] > 0 and big["narrow_loads"] == 0 and big["st_v4"], f"not vectorized: {big}"
+    # The host-mapped error record is read by the poison check alone (one read per output), never
+    # per program of a matmul or a reduction: each read crosses PCIe.
+    assert sum(r["kernel"] == "_poison_kernel" for r in rows) == 5
     for r in rows:
-        if r["kernel"] == "_reduce_partials_kernel":
-            assert (r["volatile_loads"] > 0) == bool(r["has_err"]), r
+        if r["kernel"] == "_poison_kernel":
+            assert r["volatile_loads"] >= 1, r
             continue
-        if r["mode"] == 1:  # consumer: the timed wait and the error-record check after it
-            assert r["globaltimer"] and r["volatile_loads"] >= 1, r
-        else:  # plain / producer: no load of the error record, no wait
-            assert not r["globaltimer"] and r["volatile_loads"] == 0, r
+        assert r["volatile_loads"] == 0, r
+        if r["kernel"] == "_reduce_partials_kernel":
+            continue
+        # consumer: the timed wait (its record and clock checks are atomics, once per 2048 polls)
+        assert r["globaltimer"] == (r["mode"] == 1), r
     casts = sorted({c for r in rows for c in r["fp8_casts"]})
     assert casts == ["e4m3x2", "e5m2x2"], casts

@@ -275,7 +275,7 @@ def test_default_error_record_is_a_zeroed_int32_6():
                                              (FP8, torch.float8_e4m3fn), (FP8, torch.float8_e5m2)], ids=str)
 @pytest.mark.parametrize("failed", [0, 1])
 def test_consumer_poisons_after_a_failed_wait(kernel, dtype, out_dtype, failed):
-    """err[0] != 0 after a chunk's wait: that chunk's tiles are NaN (FP8: its NaN); 0: the product."""
+    """err[0] != 0 once the launch is done: every output element is NaN (FP8: its NaN); 0: the product."""
     W, M, K, N = 3, 96, 64, 48
     A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
     order = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEV)
@@ -510,8 +510,7 @@ def test_int64_reduce_partials_past_2_pow_31():
 @pytest.mark.parametrize("kernel", KERNELS_ALL)
 def test_consumer_timeout_fills_the_error_record_and_poisons(kernel):
     """Chunk 2's flag is never set: after timeout_s the record reads (failed, channel -1, peer 2,
-    expected epoch, seen 0, tag); chunks 0 and 1 are right, chunks 2 and 3 NaN (every program has
-    tiles in every chunk, so each one's chunk-3 check runs after the failure)."""
+    expected epoch, seen 0, tag) and the whole output is NaN, never a partly plausible product."""
     import time
 
     W, M, K, N, epoch, tag = 4, 4096, 256, 8192, 3, 11
@@ -533,10 +532,8 @@ def test_consumer_timeout_fills_the_error_record_and_poisons(kernel):
     elapsed = time.monotonic() - t0
     assert err.tolist() == [1, -1, 2, epoch, 0, tag]
     assert elapsed < 5.0, f"{elapsed:.1f} s: waits should give up once the record has failed"
-    Mc = M // W
-    ref = A.double() @ B.double()
-    assert_matmul_close(C[: 2 * Mc], ref[: 2 * Mc], (A.float() @ B.float()).bfloat16()[: 2 * Mc], k=2.0, atol=1e-5)
-    assert torch.isnan(C[2 * Mc :].float()).all()
+    # The whole output is poisoned once the launch is done (one read of the record per output).
+    assert torch.isnan(C.float()).all()
     # A record that has already failed: the next call's waits give up at once, all poisoned.
     t0 = time.monotonic()
     (C,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, flags=flags, epoch=epoch, mode=pm.MODE_CONSUMER,
