@@ -50,6 +50,15 @@ def timeout_s() -> float:
     return _number("MPTP_TIMEOUT_S", "60", float, _positive)
 
 
+def timeout_s_or_default() -> float:
+    """timeout_s(), or its default where MPTP_TIMEOUT_S is invalid: the exchange that tells the
+    peers about that error must still run, and be bounded."""
+    try:
+        return timeout_s()
+    except ValueError:
+        return 60.0
+
+
 def check_agreement(nccl: bool) -> bool:
     """Whether a call on a group without a workspace checks agreement (nccl: CUDA tensors on NCCL)."""
     raw = os.environ.get("MPTP_CHECK_AGREEMENT", "auto").strip().lower()

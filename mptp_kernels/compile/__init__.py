@@ -47,14 +47,15 @@ _InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", No
 
 
 def _source_hash() -> str:
+    """Every Python source of the package: the pass proves rewrites with the ops' fake impls,
+    which reach the reference, validation and transport code, so any change must miss the cache."""
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    files = ["compile/__init__.py", "compile/micro_pipeline.py", "_library.py", "ops/__init__.py",
-             "ops/reference.py", "ops/validate.py"]  # fmt: skip
     h = hashlib.sha256()
-    for f in files:
-        path = os.path.join(pkg, f)
-        h.update(f.encode() + b"\0")
-        if os.path.exists(path):  # a refactor that moves a file must not break the import
+    for root, dirs, names in sorted(os.walk(pkg)):
+        dirs.sort()
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, pkg).encode() + b"\0")
             with open(path, "rb") as fh:
                 h.update(fh.read())
     return h.hexdigest()
@@ -70,8 +71,9 @@ def _as_list(p) -> list:
 
 
 def _without_mptp(p):
-    """`p` (None, a pass, or a list/tuple of passes) with every MicroPipelineTPPass replaced by what it chains."""
-    if isinstance(p, MicroPipelineTPPass):
+    """`p` (None, a pass, or a list/tuple of passes) with every MicroPipelineTPPass that
+    enable_micro_pipeline_tp() installed replaced by what it chains (one the user built stays)."""
+    if isinstance(p, MicroPipelineTPPass) and p._owned:
         return _without_mptp(p.chained)
     if not isinstance(p, (list, tuple)):
         return p
@@ -79,6 +81,15 @@ def _without_mptp(p):
     for q in p:
         out.extend(_as_list(_without_mptp(q)))
     return type(p)(out) if out else None
+
+
+def _has_mptp(p) -> bool:
+    """Whether the mptp pass already runs in `p` (alone, in a list, or chained in a wrapper)."""
+    if isinstance(p, MicroPipelineTPPass):
+        return True
+    if isinstance(p, (list, tuple)):
+        return any(_has_mptp(q) for q in p)
+    return False
 
 
 def _enabled_groups() -> tuple:
@@ -105,6 +116,7 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
 
     def __init__(self, chained=None):
         self.chained = chained
+        self._owned = False  # True when enable_micro_pipeline_tp() installed it
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         for p in _as_list(self.chained):
@@ -141,7 +153,8 @@ class _Enabled:
 
 
 def enable_micro_pipeline_tp() -> _Enabled:
-    """Installs the mptp pass into Inductor's post-grad custom pass slot, after what is there.
+    """Installs the mptp pass into Inductor's post-grad custom pass slot, after what is there
+    (unless it already runs there).
 
     Calls nest: the pass stays installed until every enable has been matched by a
     disable (or its with-block has exited).
@@ -150,9 +163,12 @@ def enable_micro_pipeline_tp() -> _Enabled:
     if _state["depth"] == 0:
         _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)
     _state["depth"] += 1
-    cfg.post_grad_custom_post_pass = MicroPipelineTPPass(
-        _without_mptp(cfg.post_grad_custom_post_pass)
-    )
+    # NOTE: where the pass already runs (an outer enable, or one the user installed), the slot is
+    # left as it is: re-wrapping would move passes the user put after ours in front of it.
+    if not _has_mptp(cfg.post_grad_custom_post_pass):
+        p = MicroPipelineTPPass(cfg.post_grad_custom_post_pass)
+        p._owned = True
+        cfg.post_grad_custom_post_pass = p
     if hasattr(cfg, "_micro_pipeline_tp"):
         cfg._micro_pipeline_tp = False
     return _Enabled()

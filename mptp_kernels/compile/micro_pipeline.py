@@ -699,9 +699,11 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
     nodes, dim = [rs, waits[0]], 0
     if inp.target is aten.cat.default and _arg(inp, 1, "dim", 0) == 0 and len(inp.users) == 1:
         pieces = list(inp.args[0])
-        src = pieces[0].args[0] if pieces and isinstance(pieces[0], fx.Node) else None
-        if src is not None and src.target in _SPLITS:
-            src = src.args[0]
+        # NOTE: a piece may be a graph input (no args) or a constant (args not nodes): not a split.
+        first = pieces[0] if pieces and isinstance(pieces[0], fx.Node) else None
+        src = first.args[0] if first is not None and first.args else None
+        if isinstance(src, fx.Node) and src.target in _SPLITS:
+            src = src.args[0] if src.args else None
         if isinstance(src, fx.Node) and _val(src) is not None:
             for d in range(_tval(src).dim()):
                 if not isinstance(_tval(src).shape[d], int) or _tval(src).shape[d] % W:
@@ -866,6 +868,9 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
             except _Reject as e:
                 rep.add(what, coll, group, None, False, str(e))
                 continue
+            except Exception as e:  # noqa: BLE001 - matching only reads the graph: leave it unfused
+                rep.add(what, coll, group, None, False, f"unrecognized form ({type(e).__name__} while matching: {e})")
+                continue
             if m is None:
                 rep.add(
                     what,
@@ -885,6 +890,15 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
                 rep.add(what, coll, group, dim, True, fuse(graph, m))
             except _Reject as e:
                 rep.add(what, coll, group, dim, False, str(e))
+    # Coalesced collectives (several tensors in one call, e.g. FSDP's): reported, never fused.
+    for what, name, gidx in (("all-gather (coalesced)", "all_gather_into_tensor_coalesced", 2),
+                             ("reduce-scatter (coalesced)", "reduce_scatter_tensor_coalesced", 3)):  # fmt: skip
+        op = getattr(_c10d, name, None)
+        target = getattr(op, "default", None)
+        for coll in [n for n in graph.nodes if target is not None and n.target is target]:
+            total += 1
+            rep.add(what, coll, _arg(coll, gidx, "group_name"), None, False,
+                    "a coalesced collective (several tensors in one call) is not fused")  # fmt: skip
     graph.lint()
     if rep.fused == 0 and total:
         warnings.warn(

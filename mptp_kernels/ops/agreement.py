@@ -46,10 +46,13 @@ def dtype_code(d) -> int:
 
 
 def shape_fields(name: str, shape: Sequence[int]) -> List[Tuple[str, int]]:
-    dims = list(shape)
+    """ndim and the first MAX_DIMS dims by name; a deeper shape adds a digest of all its dims
+    (the dims past MAX_DIMS must agree too: a 10-D A differing in dim 8 aborted gloo)."""
+    dims = [int(d) for d in shape]
+    fields = [(f"{name}.ndim", len(dims))] + [(f"{name}[{i}]", d) for i, d in enumerate(dims[:MAX_DIMS])]
     if len(dims) > MAX_DIMS:
-        return [(f"{name}.ndim", len(dims))] + [(f"{name}[{i}]", int(d)) for i, d in enumerate(dims)][:MAX_DIMS]
-    return [(f"{name}.ndim", len(dims))] + [(f"{name}[{i}]", int(d)) for i, d in enumerate(dims)]
+        fields.append((f"{name}.dims_crc", zlib.crc32(repr(dims).encode())))
+    return fields
 
 
 @dataclass
@@ -150,6 +153,45 @@ def _collective_device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+_SEQ: dict = {}  # group name -> this rank's number of agreement exchanges on it
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (a custom init): peers are not named
+        return None
+
+
+def _arrive(group_name: str, rank: int) -> int:
+    """Counts this rank's exchanges on the group and publishes the count (naming who is missing)."""
+    seq = _SEQ[group_name] = _SEQ.get(group_name, 0) + 1
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"mptp/arrived/{group_name}/{rank}", str(seq))
+        except Exception:  # noqa: BLE001 - diagnostics only
+            pass
+    return seq
+
+
+def _missing(group_name: str, W: int, seq: int) -> str:
+    """', peer ranks [..] had not reached this call' from the published counts, or ''."""
+    store = _store()
+    if store is None:
+        return ""
+    late = []
+    try:
+        for p in range(W):
+            key = f"mptp/arrived/{group_name}/{p}"
+            n = int(store.get(key)) if store.check([key]) else 0
+            if n < seq:
+                late.append(p)
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return ""
+    return f"; peer rank(s) {late} had not reached this call (their call count is lower)" if late else ""
+
+
 def exchange_collective(payload: bytes, group_name: str, what: str) -> List[bytes]:
     """One all-gather of a fixed-size byte tensor over the group, bounded by MPTP_TIMEOUT_S."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -162,15 +204,21 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     buf[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     buf = buf.to(dev)
     outs = [torch.empty_like(buf) for _ in range(W)]
+    # NOTE: read before the collective starts. A bad value is this rank's local error, which this
+    # very exchange reports to the peers (the dispatcher put it in the payload).
+    timeout = env.timeout_s_or_default()
+    rank = dist.get_rank(pg)
+    seq = _arrive(group_name, rank)
     work = dist.all_gather(outs, buf, group=pg, async_op=True)
     try:
-        ok = work.wait(timeout=timedelta(seconds=env.timeout_s()))
+        ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
-        raise RuntimeError(
-            f"{what}: rank {dist.get_rank(pg)} did not hear from every peer of group {group_name!r} "
-            f"within {env.timeout_s():g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on "
-            f"another group, or died ({e})"
-        ) from None
+        msg = (f"{what}: rank {rank} did not hear from every peer of group {group_name!r} within "
+               f"{timeout:g}s (MPTP_TIMEOUT_S){_missing(group_name, W, seq)}: a peer skipped the call, "
+               f"called it on another group, or died ({e}); this group's collectives are now out of "
+               "step, so every later mptp call on it raises: restart the job")  # fmt: skip
+        mark_broken(pg, msg)
+        raise RuntimeError(msg) from None
     if ok is False:
         raise RuntimeError(f"{what}: the agreement collective on group {group_name!r} failed")
     res = []
@@ -179,3 +227,35 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
         n = int(o[:8].view(torch.int64).item())
         res.append(bytes(o[8 : 8 + n].tolist()))
     return res
+
+
+# Groups whose collectives timed out part-way (a gloo op left pending pairs with the next one):
+# id(pg) -> (pg, message). Every later call on such a group raises at once, before communicating.
+BROKEN: dict = {}
+
+
+def mark_broken(pg, msg: str) -> None:
+    BROKEN[id(pg)] = (pg, msg)
+
+
+def check_broken(pg) -> None:
+    hit = BROKEN.get(id(pg))
+    if hit is not None and hit[0] is pg:
+        raise RuntimeError(hit[1])
+
+
+def wait_bounded(work, pg, what: str, group_name: str) -> None:
+    """Waits for a c10d work at most MPTP_TIMEOUT_S; a timeout marks the group broken and raises."""
+    timeout = env.timeout_s()
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:
+        msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} timed out after {timeout:g}s "
+               f"(MPTP_TIMEOUT_S) in a collective of the reference path: a peer skipped the call, "
+               f"made another one, or died ({e}); this group's collectives are now out of step, so "
+               "every later mptp call on it raises: restart the job")  # fmt: skip
+        mark_broken(pg, msg)
+        raise RuntimeError(msg) from None
+    if ok is False:
+        mark_broken(pg, f"{what}: a collective on group {group_name!r} failed")
+        raise RuntimeError(f"{what}: a collective on group {group_name!r} failed")

@@ -22,6 +22,7 @@ CUDA tensors) and logged once per reason under MPTP_LOG=1.
 import contextlib
 import functools
 import math
+import threading
 from collections import Counter
 from typing import Optional
 
@@ -80,6 +81,14 @@ def _ceil256(n: int) -> int:
 # -- 1. the call's signature -----------------------------------------------------------------------
 
 
+def _grad_fields(A, Bs):
+    """Which inputs require a gradient: the backward's collectives depend on it, so it must agree
+    (A needing one on one rank only left the other out of a backward reduce-scatter).
+    NOTE: the attribute, not grad mode: the autograd kernel runs the op with grad disabled."""
+    return [("A.requires_grad", int(A.requires_grad)),
+            ("Bs.requires_grad", int(any(isinstance(B, torch.Tensor) and B.requires_grad for B in Bs)))]  # fmt: skip
+
+
 def describe(name: str, args, kwargs, W: int) -> Call:
     """Validates the call (raises ValueError) and returns its signature and workspace need."""
     A = args[0]
@@ -89,6 +98,7 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         validate.check_list("Bs", Bs)
         _, gd = validate.all_gather_matmul(A, Bs, gather_dim, args[_GROUP_ARG[name]], scaled=scaled)
         must = [("A.dtype", dtype_code(A.dtype)), ("gather_dim", gd)] + shape_fields("A", A.shape)
+        must += _grad_fields(A, Bs)
         free = [("num_Bs", len(Bs))] + [(f"Bs[{i}].N", B.shape[1]) for i, B in enumerate(Bs)]
         need = A.numel() * A.element_size()
         if scaled:
@@ -128,6 +138,7 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         out_shape = [*A.shape[:-1], B.shape[1]]
         must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)
     must += [("A.dtype", dtype_code(A.dtype)), ("reduce_op", validate._REDUCE_OPS.index(reduce_op))]
+    must += _grad_fields(A, [B])
     # FP8 partials are reduced in fp32 (reference.reduce_scatter): 4 bytes per element on the transport.
     item = 4 if out_dtype in validate.FP8_DTYPES else torch.empty((), dtype=out_dtype).element_size()
     need = math.prod(out_shape) * item
@@ -222,14 +233,36 @@ def _canonical(name: str, args):
     def flat(b):
         return b.view(-1) if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == 1 else b
 
+    def scalar(s, A):
+        """A one-element A_scale of more than 2 dims that is not A's row-wise shape is tensor-wise
+        (as PyTorch's fallback reads it; the reference would broadcast the product to its dims)."""
+        if (isinstance(s, torch.Tensor) and isinstance(A, torch.Tensor) and s.numel() == 1 and s.dim() > 2
+                and tuple(s.shape) != (*A.shape[:-1], 1)):  # fmt: skip
+            return s.reshape(())
+        return s
+
     if name == "fused_all_gather_scaled_matmul" and isinstance(args[6], (list, tuple)):
-        return (*args[:6], [flat(b) for b in args[6]], *args[7:])
+        return (args[0], args[1], scalar(args[2], args[0]), *args[3:6], [flat(b) for b in args[6]], *args[7:])
     if name == "fused_scaled_matmul_reduce_scatter" and len(args) > 9:
-        return (*args[:9], flat(args[9]), *args[10:])
+        return (*args[:2], scalar(args[2], args[0]), *args[3:9], flat(args[9]), *args[10:])
     return args
 
 
+_LOCKS: dict = {}
+
+
 def run(name: str, *args, **kwargs):
+    """One call: agreement, decision and run, atomic per group within this process (calls of
+    one group from two threads would otherwise interleave their collectives)."""
+    group_name = args[_GROUP_ARG[name]] if len(args) > _GROUP_ARG[name] else kwargs.get("group_name")
+    lock = _LOCKS.get(group_name)
+    if lock is None:
+        lock = _LOCKS.setdefault(group_name, threading.RLock())
+    with lock:
+        return _run(name, *args, **kwargs)
+
+
+def _run(name: str, *args, **kwargs):
     args, kwargs = _normalize(name, args, kwargs)
     args = _canonical(name, args)
     A = args[0]
@@ -244,8 +277,11 @@ def run(name: str, *args, **kwargs):
             from ..symm import primitives as P
 
             P.check_errors(group_name, dist.get_rank() if dist.is_initialized() else -1)
+    if agreement.BROKEN and W > 1:
+        agreement.check_broken(dist.distributed_c10d._resolve_process_group(group_name))
     try:
         call = describe(name, args, kwargs, W)
+        env.timeout_s()  # a bad MPTP_TIMEOUT_S is this rank's error: its peers are told, not left waiting
         local_err = None
     except (ValueError, TypeError, IndexError) as e:
         call, local_err = Call(name, error=f"{type(e).__name__}: {e}"), e

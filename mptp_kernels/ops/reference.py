@@ -43,7 +43,7 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
     else:
         out = transport.funcol_reduce_scatter(t, W, group_name)
     if reduce_op == "avg":
-        if out.is_floating_point():
+        if out.is_floating_point() or out.is_complex():
             out = out / W
         else:
             out = torch.div(out, W, rounding_mode="trunc")

@@ -48,19 +48,66 @@ _NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex64, torch.complex128)  # fmt: skip
 
 
+def _bounded_group(t: torch.Tensor, group_name: str):
+    """The process group when this collective runs eagerly on gloo with a real CPU tensor, else None.
+
+    There the reference's collectives are c10d ops whose wait is bounded by MPTP_TIMEOUT_S: a
+    functional collective on gloo waits for gloo's own timeout (30 minutes by default) when a
+    peer skipped the call. Fake and traced tensors (the fake impls, torch.compile) keep the
+    functional collectives, which only compute metadata there.
+    """
+    if type(t) is not torch.Tensor or t.device.type != "cpu":
+        return None
+    import torch.distributed as dist
+
+    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    try:
+        return pg if "gloo" in str(dist.get_backend(pg)).lower() else None
+    except (ValueError, RuntimeError):
+        return None
+
+
+def _gather_bytes(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    """All-gathers t ([n, ...] contiguous, a dtype the backend sends) into [W * n, ...]."""
+    pg = _bounded_group(t, group_name)
+    if pg is None:
+        return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+    import torch.distributed as dist
+
+    from . import agreement
+
+    out = t.new_empty((W * t.shape[0], *t.shape[1:]) if t.dim() else (W,))
+    # NOTE: torch 2.14 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, t, group=pg, async_op=True)
+    agreement.wait_bounded(work, pg, "mptp all-gather", group_name)
+    return out
+
+
 def funcol_all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     if t.dtype not in _NATIVE:  # FP8, int8, int16, bool, ... travel as bytes (gloo cannot send FP8 or int16)
         flat = t.contiguous().reshape(-1).view(torch.uint8)
-        out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(flat, W, group_name)).view(t.dtype)
+        out = _gather_bytes(flat, W, group_name).view(t.dtype)
         return out.view(W * t.shape[0], *t.shape[1:]) if t.dim() else out
-    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+    return _gather_bytes(t, W, group_name)
 
 
 def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     """Sum-reduce-scatter along dim 0, in t's dtype (integers gloo cannot sum are widened, then wrapped back)."""
     if t.dtype not in _NATIVE and not t.is_floating_point() and t.dtype != torch.bool:
         return funcol_reduce_scatter(t.to(torch.int64), W, group_name).to(t.dtype)
-    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
+    pg = _bounded_group(t, group_name)
+    if pg is None:
+        return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
+    import torch.distributed as dist
+
+    from . import agreement
+
+    out = t.new_empty((t.shape[0] // W, *t.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = scatter(out, t.contiguous(), op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    agreement.wait_bounded(work, pg, "mptp reduce-scatter", group_name)
+    return out
 
 
 class HostTransport:

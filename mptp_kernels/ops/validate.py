@@ -85,6 +85,35 @@ def _check_matmul_operands(A, B, arg_b: str, k_expected: int, same_dtype: bool) 
     _check_device(arg_b, B, A.device)
 
 
+# torch.matmul's dtypes on CUDA (cuBLAS); the CPU's are probed once per dtype (CPU only: a probe
+# on CUDA would launch a kernel, maybe inside a capture).
+_CUDA_MATMUL = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+_CPU_MATMUL: dict = {}
+
+
+def matmul_supports(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return dtype in _CUDA_MATMUL
+    if device.type != "cpu":
+        return True  # meta and others: no kernel to run, no dtype to refuse
+    ok = _CPU_MATMUL.get(dtype)
+    if ok is None:
+        try:
+            z = torch.zeros(1, 1, dtype=dtype)
+            torch.matmul(z, z)
+            ok = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _CPU_MATMUL[dtype] = ok
+    return ok
+
+
+def _check_matmul_dtype(A) -> None:
+    """A matmul the reference would run must not fail after the collective, on one rank only."""
+    if not matmul_supports(A.dtype, A.device):
+        raise ValueError(f"A: torch.matmul does not support dtype {A.dtype} on {A.device.type}")
+
+
 def _check_A(A) -> None:
     if not isinstance(A, torch.Tensor) or A.dim() < 2:
         shape = tuple(A.shape) if isinstance(A, torch.Tensor) else type(A).__name__
@@ -124,6 +153,8 @@ def all_gather_matmul(A, Bs: Sequence, gather_dim: int, group_name: str, scaled:
     k = A.shape[-1] * (W if gather_dim == A.dim() - 1 else 1)
     for i, B in enumerate(Bs):
         _check_matmul_operands(A, B, f"Bs[{i}]", k, same_dtype=not scaled)
+    if Bs and not scaled:
+        _check_matmul_dtype(A)
     if scaled:
         if A.dtype not in FP8_DTYPES:
             raise ValueError(f"A: expected a float8 dtype for the scaled op, got {A.dtype}")
@@ -172,6 +203,9 @@ def _check_scale_pair(arg: str, a_numel: int, a_rowwise: bool, a_dtype, B_scale,
     NOTE: a mixed pair is an error in _scaled_mm on every device; the CPU reference (and a
     CUDA FP8 output) would compute it, so it is rejected here, before any communication.
     """
+    if B_scale.dim() > 2:  # (torch._scaled_mm rejects it; the reference would broadcast the product)
+        raise ValueError(f"{arg}: expected one element or [1, {N}] with at most 2 dims, got shape "
+                         f"{list(B_scale.shape)}")  # fmt: skip
     if a_numel == 1 and B_scale.numel() == 1:
         return
     if a_rowwise and tuple(B_scale.shape) == (1, N):
@@ -221,6 +255,8 @@ def matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_name: st
     if reduce_op not in _REDUCE_OPS:
         raise ValueError(f"reduce_op: expected one of {_REDUCE_OPS}, got {reduce_op!r}")
     _check_matmul_operands(A, B, "B", A.shape[-1], same_dtype=not scaled)
+    if not scaled:
+        _check_matmul_dtype(A)
     if scatter_dim is not None:  # the scaled op checks its output_shape itself
         scatter_dim = norm_dim(scatter_dim, A.dim(), "scatter_dim")
         check_divisible([*A.shape[:-1], B.shape[1]], scatter_dim, W, "scatter_dim")

@@ -129,7 +129,7 @@ class HostRendezvous:
         struct.pack_into("<qiI", mm, half, n, len(payload), _crc(n, payload))
         struct.pack_into("<q", mm, _SLOT * r, n)
         self.seq = n
-        timeout = env.timeout_s() if timeout_s is None else timeout_s
+        timeout = env.timeout_s_or_default() if timeout_s is None else timeout_s
         waiting = [p for p in range(self.world_size) if p != r]
         start = time.monotonic()
         next_check, spins = start + 0.05, 0

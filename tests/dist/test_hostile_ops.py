@@ -1,0 +1,207 @@
+"""Regression tests from a hostile review of the CPU (gloo) reference path.
+
+Each case asserts the exact outcome on every rank, within a hard timeout: the correct
+result, or an error on every rank; never a hang, a process abort or a wrong value.
+Before the fixes: a 10-D A differing past dim 8 aborted gloo on one rank and returned
+garbage on the other; a rank that skipped a call left its peer's pending agreement to
+pair with its next call (garbage, or a 30-minute gloo wait in the data collective);
+gradients requested on one rank only left the other out of the backward's
+reduce-scatter; a dtype torch.matmul refuses failed after the collective on one rank
+only; a bad MPTP_TIMEOUT_S on one rank was read after its peers were waiting; a
+one-element 3-D scale broke the reference after the gather; complex "avg" failed after
+communicating; two threads interleaved their calls' collectives.
+
+Cases that leave a group out of step run on a fresh subgroup of their own.
+"""
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist.harness import Workers
+from utils import randn
+
+SEED = random.randrange(1 << 30)
+ENV = {"MPTP_TIMEOUT_S": "3"}
+TIMEOUT_S = 120  # hard bound on every multi-process run
+
+
+@pytest.fixture(scope="module")
+def hostile2():
+    w = Workers(2, env=ENV)
+    yield w
+    w.close()
+
+
+def _sub():
+    """A fresh gloo group of every rank: a case that breaks it leaves the world group intact."""
+    return dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok", ""
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test asserts
+        return type(e).__name__, str(e)
+
+
+def _deep_shapes():
+    g, r = _sub(), dist.get_rank()
+    A = torch.randn(*([1] * 8), 2 + r, 4)  # 10-D: only dim 8 differs between the ranks
+    ag = _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(A, [torch.randn(4, 3)], 0, g.group_name))
+    A9 = torch.randn(2, *([1] * 7), 4)  # 9-D output [2, 1 x 7, N]: N differs between the ranks
+    rs = _outcome(lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A9, torch.randn(4, 3 + r), "sum", 0, g.group_name))
+    return ag, rs
+
+
+def test_shapes_deeper_than_the_named_dims_must_agree(hostile2):
+    for ag, rs in hostile2.run(_deep_shapes, timeout_s=TIMEOUT_S):
+        assert ag[0] == "ValueError" and "disagree" in ag[1], ag
+        assert rs[0] == "ValueError" and "disagree" in rs[1], rs
+
+
+def _skip_then_continue(seed):
+    g, r = _sub(), dist.get_rank()
+    A, B = randn((4, 8), seed + r), randn((8, 3), seed + 9)
+    call = lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g.group_name)  # noqa: E731
+    if r == 0:
+        out = [_outcome(call)]
+    else:  # rank 1 skips the first call, and calls again after rank 0 has timed out
+        time.sleep(float(ENV["MPTP_TIMEOUT_S"]) + 1.5)
+        out = []
+    return out + [_outcome(call), _outcome(call)]
+
+
+def test_a_rank_that_skips_a_call_never_gets_a_result(hostile2):
+    """Rank 0 times out (naming rank 1); every later call on the group raises on both ranks."""
+    r0, r1 = hostile2.run(_skip_then_continue, SEED, timeout_s=TIMEOUT_S)
+    assert r0[0][0] == "RuntimeError" and "peer rank(s) [1]" in r0[0][1], r0[0]
+    for kind, msg in r0[1:] + r1:
+        assert kind == "RuntimeError" and "restart the job" in msg, (kind, msg)
+
+
+def _one_rank_wants_grads():
+    g, r = _sub(), dist.get_rank()
+    A = torch.randn(4, 8, requires_grad=r == 0)
+    B = torch.randn(8, 3, requires_grad=True)
+    ag = _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g.group_name))
+    rs = _outcome(lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g.group_name))
+    return ag, rs
+
+
+def test_gradients_requested_on_one_rank_only_raise_everywhere(hostile2):
+    for ag, rs in hostile2.run(_one_rank_wants_grads, timeout_s=TIMEOUT_S):
+        assert ag[0] == "ValueError" and "requires_grad" in ag[1], ag
+        assert rs[0] == "ValueError" and "requires_grad" in rs[1], rs
+
+
+def _unsupported_dtype():
+    g, r = _sub(), dist.get_rank()
+    K = 0 if r else 4  # K may differ per rank; with K = 0 the matmul would not even run
+    A, B = torch.zeros(4, K, dtype=torch.uint16), torch.zeros(K, 6, dtype=torch.uint16)
+    return _outcome(lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g.group_name))
+
+
+def test_a_dtype_matmul_refuses_is_a_value_error_before_communicating(hostile2):
+    for kind, msg in hostile2.run(_unsupported_dtype, timeout_s=TIMEOUT_S):
+        assert kind == "ValueError" and "torch.matmul does not support" in msg, (kind, msg)
+
+
+def _bad_env_on_one_rank():
+    g, r = _sub(), dist.get_rank()
+    old = os.environ.get("MPTP_TIMEOUT_S")
+    if r == 1:
+        os.environ["MPTP_TIMEOUT_S"] = "0"
+    try:
+        return _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 3)], 0,
+                                                                        g.group_name))  # fmt: skip
+    finally:
+        os.environ["MPTP_TIMEOUT_S"] = old
+
+
+def test_a_bad_timeout_on_one_rank_raises_on_every_rank(hostile2):
+    r0, r1 = hostile2.run(_bad_env_on_one_rank, timeout_s=TIMEOUT_S)
+    assert r1[0] == "ValueError" and "MPTP_TIMEOUT_S" in r1[1], r1
+    assert r0[0] == "ValueError" and "peer rank 1 rejected" in r0[1] and "MPTP_TIMEOUT_S" in r0[1], r0
+
+
+def _odd_scales_and_dtypes(seed):
+    W, r = dist.get_world_size(), dist.get_rank()
+    FP8 = torch.float8_e4m3fn
+    shards = [randn((4, 16), seed + p, scale=0.5).to(FP8) for p in range(W)]
+    B = randn((8, 16), seed + 50, scale=0.5).to(FP8).t()
+    g = dist.group.WORLD.group_name
+    sa, sb = torch.full((1, 1, 1), 0.5), torch.tensor(2.0)  # a one-element 3-D A_scale: tensor-wise
+    _, (out,) = torch.ops.mptp.fused_all_gather_scaled_matmul(shards[r], [B], sa, [sb], 0, g, [None], [None],
+                                                              [torch.float32], [False])  # fmt: skip
+    ref = torch.cat(shards).double() @ B.double()  # 0.5 * 2.0 = 1
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    # A 3-D B_scale: torch._scaled_mm rejects it; a ValueError naming it, before communicating.
+    for call in (lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(shards[r], [B], sa, [sa], 0, g, [None], [None],
+                                                                       [torch.float32], [False]),
+                 lambda: torch.ops.mptp.fused_scaled_matmul_reduce_scatter(shards[r], B, sb, sa, "sum", 0, 0, g, None,
+                                                                           None, None, torch.float32, False)):  # fmt: skip
+        kind, msg = _outcome(call)
+        assert kind == "ValueError" and "B_scale" in msg and "at most 2 dims" in msg, (kind, msg)
+    # complex "avg": the sum divided by W, in the dtype
+    As = [torch.randn(4, 8, dtype=torch.complex64, generator=torch.Generator().manual_seed(seed + p)) for p in range(W)]
+    Bc = torch.randn(8, 5, dtype=torch.complex64, generator=torch.Generator().manual_seed(seed + 77))
+    got = torch.ops.mptp.fused_matmul_reduce_scatter(As[r], Bc, "avg", 0, dist.group.WORLD.group_name)
+    want = (sum(a.to(torch.complex128) @ Bc.to(torch.complex128) for a in As) / W).chunk(W)[r]
+    assert got.dtype == torch.complex64
+    torch.testing.assert_close(got.to(torch.complex128), want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_element_nd_scales_and_complex_avg(hostile2):
+    hostile2.run(_odd_scales_and_dtypes, SEED, timeout_s=TIMEOUT_S)
+
+
+def _two_threads(seed):
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = _sub()
+    shards = [randn((3, 8), seed + p) for p in range(W)]
+    B = randn((8, 4), seed + 40)
+    want = torch.cat(shards) @ B
+    bad = []
+
+    def worker():
+        for _ in range(10):
+            _, (out,) = torch.ops.mptp.fused_all_gather_matmul(shards[r], [B], 0, g.group_name)
+            if not torch.allclose(out, want, rtol=1e-5, atol=1e-5):
+                bad.append(out)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not bad, f"{len(bad)} of 20 calls returned a wrong result"
+
+
+def test_calls_from_two_threads_do_not_interleave_their_collectives(hostile2):
+    hostile2.run(_two_threads, SEED, timeout_s=TIMEOUT_S)
+
+
+def _rank_2_skips(seed):
+    g, r = _sub(), dist.get_rank()
+    if r == 2:
+        return "ok", ""
+    return _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(randn((2, 8), seed), [randn((8, 3), seed)], 0,
+                                                                    g.group_name))  # fmt: skip
+
+
+def test_the_timeout_names_the_peer_that_did_not_arrive():
+    w = Workers(3, env=ENV)
+    try:
+        res = w.run(_rank_2_skips, SEED, timeout_s=TIMEOUT_S)
+    finally:
+        w.close()
+    for kind, msg in res[:2]:
+        assert kind == "RuntimeError" and "peer rank(s) [2]" in msg and "MPTP_TIMEOUT_S" in msg, (kind, msg)
