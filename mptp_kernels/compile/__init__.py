@@ -46,10 +46,10 @@ __all__ = [
 _InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
-def _source_hash() -> str:
+def _source_hash(pkg: Optional[str] = None) -> str:
     """Every Python source of the package: the pass proves rewrites with the ops' fake impls,
     which reach the reference, validation and transport code, so any change must miss the cache."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg = pkg or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for root, dirs, names in sorted(os.walk(pkg)):
         dirs.sort()

@@ -212,3 +212,86 @@ def test_explain_reports_each_collective(fake4):
     assert "fused_all_gather_matmul" in decisions[0].detail
     assert "other users" in decisions[1].detail
     assert cfg.post_grad_custom_post_pass is None, "explain left the pass installed"
+
+
+# -- from a hostile review ------------------------------------------------------------------------
+
+
+def test_nested_enable_keeps_the_order_of_passes_after_ours(fake4):
+    """explain() (a nested enable) re-wrapped [ours, after] as ours(chained=[after]): `after`
+    then ran before the rewrite and saw no mptp op."""
+    seen = []
+
+    def after(graph):
+        seen.append(sum("mptp" in str(n.target) for n in graph.nodes))
+
+    def fn(x, w):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, fake4)) @ w
+
+    with mptp_kernels.enable_micro_pipeline_tp():
+        slot = [cfg.post_grad_custom_post_pass, after]
+        cfg.post_grad_custom_post_pass = slot
+        mptp_kernels.explain(fn, torch.randn(4, 16), torch.randn(16, 8), verbose=False)
+        assert cfg.post_grad_custom_post_pass is slot
+    assert seen and all(n == 1 for n in seen), seen
+    assert cfg.post_grad_custom_post_pass == [after]
+
+
+def test_a_pass_the_user_built_survives_enable_disable_and_explain(fake4):
+    mine = MicroPipelineTPPass(Tagged("user"))
+    cfg.post_grad_custom_post_pass = mine
+    with mptp_kernels.enable_micro_pipeline_tp():
+        assert cfg.post_grad_custom_post_pass is mine, "the pass already runs: the slot is left as it is"
+    mptp_kernels.explain(_f, torch.randn(8), verbose=False)
+    assert cfg.post_grad_custom_post_pass is mine
+
+
+def test_cache_uuid_covers_every_source_of_the_package(tmp_path):
+    """The fake impls the pass proves rewrites with reach ops/transport.py (not hashed before)."""
+    import os
+    import shutil
+
+    pkg = os.path.dirname(os.path.abspath(mptp_kernels.__file__))
+    copy = tmp_path / "mptp_kernels"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    assert mc._source_hash(str(copy)) == mc._SOURCE_HASH
+    for rel in ("ops/transport.py", "kernels/poison.py", "symm/primitives.py"):
+        with open(copy / rel, "a") as f:
+            f.write("\n# edited\n")
+        assert mc._source_hash(str(copy)) != mc._SOURCE_HASH, rel
+        shutil.copy(os.path.join(pkg, rel), copy / rel)
+
+
+def test_cat_of_an_input_or_a_constant_before_a_reduce_scatter_compiles(pg1):
+    """The matcher read pieces[0].args[0] of a cat: an input (no args) or torch.zeros crashed compile."""
+    g = pg1
+
+    def f_input(x, y):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.cat([x, y]), "sum", 1, g))
+
+    def f_zeros(x, y):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.cat([torch.zeros(2, 4), y]), "sum", 1, g))
+
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    for f in (f_input, f_zeros):
+        want = _compile_run(f, x, y)
+        with mptp_kernels.enable_micro_pipeline_tp():
+            got = _compile_run(f, x, y)
+        assert torch.equal(got, want), f.__name__
+        decisions = mptp_kernels.explain(f, x, y, verbose=False)
+        assert [d.fused for d in decisions] == [False], decisions
+
+
+def test_explain_reports_coalesced_collectives(pg1):
+    g = pg1
+
+    def fn(x, y, w):
+        a, b = c10d.all_gather_into_tensor_coalesced([x, y], 1, g)
+        a, b = c10d.wait_tensor(a), c10d.wait_tensor(b)
+        c, d = c10d.reduce_scatter_tensor_coalesced([a @ w, b @ w], "sum", 1, g)
+        return c10d.wait_tensor(c), c10d.wait_tensor(d)
+
+    decisions = mptp_kernels.explain(fn, torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8), verbose=False)
+    assert [(d.kind, d.fused) for d in decisions] == [("all-gather (coalesced)", False),
+                                                      ("reduce-scatter (coalesced)", False)], decisions  # fmt: skip
+    assert all("coalesced" in d.detail for d in decisions)
