@@ -84,15 +84,15 @@ def run_cases(csv_name, cases, make_fns, columns, summarize, out_dir=None, write
         made = make_fns(case)
         fns, extra = made if isinstance(made, tuple) else (made, {})
         times = {name: bench_us(fn) for name, fn in fns.items()}
-        for name, us in times.items():
-            rows.append({**columns, **case, **extra, "provider": name, "median_us": round(us, 2)})
+        new = [{**columns, **case, **extra, "provider": name, "median_us": round(us, 2)} for name, us in times.items()]
+        rows += new
         print(summarize({**case, **extra}, times), flush=True)
-    if write and rows:
-        path = append_rows(csv_name, rows)
-        if out_dir and os.path.abspath(out_dir) != os.path.abspath(RESULTS):
-            import shutil
+        if write:  # NOTE: per case, so a case that raises keeps the rows of the cases before it
+            path = append_rows(csv_name, new)
+            if out_dir and os.path.abspath(out_dir) != os.path.abspath(RESULTS):
+                import shutil
 
-            shutil.copy(path, os.path.join(out_dir, csv_name))
+                shutil.copy(path, os.path.join(out_dir, csv_name))
     return rows
 
 
