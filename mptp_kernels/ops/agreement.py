@@ -207,20 +207,10 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     # NOTE: read before the collective starts. A bad value is this rank's local error, which this
     # very exchange reports to the peers (the dispatcher put it in the payload).
     timeout = env.timeout_s_or_default()
-    rank = dist.get_rank(pg)
-    seq = _arrive(group_name, rank)
+    seq = _arrive(group_name, dist.get_rank(pg))
     work = dist.all_gather(outs, buf, group=pg, async_op=True)
-    try:
-        ok = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as e:
-        msg = (f"{what}: rank {rank} did not hear from every peer of group {group_name!r} within "
-               f"{timeout:g}s (MPTP_TIMEOUT_S){_missing(group_name, W, seq)}: a peer skipped the call, "
-               f"called it on another group, or died ({e}); this group's collectives are now out of "
-               "step, so every later mptp call on it raises: restart the job")  # fmt: skip
-        mark_broken(pg, msg)
-        raise RuntimeError(msg) from None
-    if ok is False:
-        raise RuntimeError(f"{what}: the agreement collective on group {group_name!r} failed")
+    wait_bounded(work, pg, what, group_name, timeout,
+                 lambda: f"did not hear from every peer{_missing(group_name, W, seq)}")  # fmt: skip
     res = []
     for o in outs:
         o = o.cpu()
@@ -244,14 +234,16 @@ def check_broken(pg) -> None:
         raise RuntimeError(hit[1])
 
 
-def wait_bounded(work, pg, what: str, group_name: str) -> None:
-    """Waits for a c10d work at most MPTP_TIMEOUT_S; a timeout marks the group broken and raises."""
-    timeout = env.timeout_s()
+def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None) -> None:
+    """Waits for a c10d work at most `timeout` s (MPTP_TIMEOUT_S); a timeout marks the group broken
+    and raises a RuntimeError naming op, group, rank and (why(), where it can tell) the peers."""
+    timeout = env.timeout_s() if timeout is None else timeout
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
-        msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} timed out after {timeout:g}s "
-               f"(MPTP_TIMEOUT_S) in a collective of the reference path: a peer skipped the call, "
+        what_happened = why() if why is not None else "timed out in a collective of the reference path"
+        msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} {what_happened} within "
+               f"{timeout:g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on another group, "
                f"made another one, or died ({e}); this group's collectives are now out of step, so "
                "every later mptp call on it raises: restart the job")  # fmt: skip
         mark_broken(pg, msg)
