@@ -518,14 +518,18 @@ def persistent_matmul(
                 result_scale if result_scale is not None else dummy_f, tag, fp8_out)
         if not auto:
             return _poisoned(_launch_tma(*args), mode, err)
+        # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
+        # launch the consumer a second time.
         try:
-            return _poisoned(_launch_tma(*args), mode, err)
+            launched = _launch_tma(*args)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without tensor descriptors
             USE_TMA = False
             from .. import env
 
             env.log_once(("tma", type(e).__name__), "persistent_matmul: TMA kernel unavailable (%s); "
                          "using the pointer kernel", e)  # fmt: skip
+        else:
+            return _poisoned(launched, mode, err)
     results = []
     for g in range(0, len(Bs), MAX_B):
         gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])

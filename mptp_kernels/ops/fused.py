@@ -19,8 +19,9 @@ Flags are reset to 0 after each call and the consumer waits for >= 1, so a
 captured CUDA graph stays correct on replay. Every op waits for DONE first; the
 workspace hands out one DONE credit per peer when it is created, so the first
 op (also one captured in a CUDA graph) waits like every later one.
-A timed-out wait poisons: the consumer and the reduction write NaN where they
-could not compute (they read the process's error record), and the next call raises.
+A timed-out wait poisons: once the consumer or the reduction is done, each output of the
+call is overwritten with NaN if the process's error record is set (one read of it per
+output: kernels/poison.py), and the next call raises.
 """
 
 import functools

@@ -18,9 +18,9 @@ Timeouts: the wait kernel gives up after MPTP_TIMEOUT_S, records (channel,
 peer, expected, seen, tag) in host-mapped memory and lets the stream go on;
 check_errors() (called at the start of every op and by SymmetricMemory.check()) raises a
 RuntimeError naming op, group, rank and peer. Later waits of the process
-return at once, so one missing peer costs one timeout; the kernels that follow
-a wait read the record and write NaN instead of computing on what did not
-arrive. A watchdog thread (MPTP_ASYNC_ERROR_HANDLING) ends a process that never
+return at once, so one missing peer costs one timeout; after the kernels that
+follow a wait, each output is overwritten with NaN if the record is set (one
+read per output: it is host memory), instead of returning what did not arrive. A watchdog thread (MPTP_ASYNC_ERROR_HANDLING) ends a process that never
 looks at its error.
 
 Chunk-arrival flags that a persistent matmul spins on are written with

@@ -18,8 +18,8 @@ another kernel of the same GPU (which might not be resident) would write.
 
 Pseudo-code:
     producer:  store tile ...; signal_release(flag, epoch)
-    consumer:  wait_acquire(flag, epoch, timeout, err, peer, tag)
-               if load(err[0]) != 0: poison tile else: load tile ...
+    consumer:  wait_acquire(flag, epoch, timeout, err, peer, tag); load tile ...
+    after the consumer's launch: poison_if_error(output, err)  (one read of err per output)
 """
 
 import triton
@@ -60,8 +60,9 @@ def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr
     and every waiter returns; the host raises from it
     (mptp_kernels.symm.check_errors). A wait that finds the record already
     failed gives up at once, as the C++ wait kernel does, so one dead peer costs
-    one timeout, not one per chunk. It returns nothing: callers that must not
-    consume what the flag guards load err_ptr[0] after it (nonzero: poison).
+    one timeout, not one per chunk. It returns nothing: what the launch wrote is
+    poisoned after it (kernels/poison.py) if err_ptr[0] is set; the record is host
+    memory, so it is not read per program here.
     """
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if seen < value:
