@@ -46,8 +46,13 @@ def _mode(v):
     return v in (0, 1, 2)
 
 
+def _timeout_range(v):
+    """between 0.001 and 1e6 (a timedelta has millisecond resolution, and 0 ms means no timeout)"""
+    return 0.001 <= v <= 1e6
+
+
 def timeout_s() -> float:
-    return _number("MPTP_TIMEOUT_S", "60", float, _positive)
+    return _number("MPTP_TIMEOUT_S", "60", float, _timeout_range)
 
 
 def timeout_s_or_default() -> float:

@@ -11,7 +11,9 @@ the same answer on every rank: a ValueError naming both calls when they
 disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 """
 
+import queue
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -153,7 +155,8 @@ def _collective_device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-_SEQ: dict = {}  # group name -> this rank's number of agreement exchanges on it
+_SEQ: dict = {}  # id(pg) -> (pg, this rank's number of agreement exchanges on it)
+_STORE_OPS: "queue.Queue" = None  # fire-and-forget store writes (a stalled store must not stall a call)
 
 
 def _store():
@@ -163,32 +166,52 @@ def _store():
         return None
 
 
-def _arrive(group_name: str, rank: int) -> int:
-    """Counts this rank's exchanges on the group and publishes the count (naming who is missing)."""
-    seq = _SEQ[group_name] = _SEQ.get(group_name, 0) + 1
-    store = _store()
-    if store is not None:
+def _store_writer():
+    while True:
+        store, key, value = _STORE_OPS.get()
         try:
-            store.set(f"mptp/arrived/{group_name}/{rank}", str(seq))
+            store.set(key, value)
         except Exception:  # noqa: BLE001 - diagnostics only
             pass
+
+
+def _arrive(pg, group_name: str, rank: int) -> int:
+    """Counts this rank's exchanges on the group and publishes the count (naming who is missing)."""
+    global _STORE_OPS
+    hit = _SEQ.get(id(pg))
+    seq = (hit[1] if hit is not None and hit[0] is pg else 0) + 1
+    _SEQ[id(pg)] = (pg, seq)
+    store = _store()
+    if store is not None:
+        if _STORE_OPS is None:
+            _STORE_OPS = queue.Queue()
+            threading.Thread(target=_store_writer, name="mptp-store-writer", daemon=True).start()
+        _STORE_OPS.put((store, f"mptp/arrived/{group_name}/{rank}", str(seq)))
     return seq
 
 
-def _missing(group_name: str, W: int, seq: int) -> str:
-    """', peer ranks [..] had not reached this call' from the published counts, or ''."""
+def _missing(group_name: str, W: int, seq: int, wait_s: float = 1.0) -> str:
+    """', peer ranks [..] had not reached this call' from the published counts, or '' (also when
+    the store does not answer within wait_s: the diagnosis must not outlast the timeout)."""
     store = _store()
     if store is None:
         return ""
-    late = []
-    try:
+    late: list = []
+
+    def read():
         for p in range(W):
             key = f"mptp/arrived/{group_name}/{p}"
             n = int(store.get(key)) if store.check([key]) else 0
             if n < seq:
                 late.append(p)
-    except Exception:  # noqa: BLE001 - diagnostics only
+        late.append(None)  # done
+
+    t = threading.Thread(target=read, name="mptp-store-reader", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if not late or late[-1] is not None:
         return ""
+    late = late[:-1]
     return f"; peer rank(s) {late} had not reached this call (their call count is lower)" if late else ""
 
 
@@ -207,7 +230,7 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     # NOTE: read before the collective starts. A bad value is this rank's local error, which this
     # very exchange reports to the peers (the dispatcher put it in the payload).
     timeout = env.timeout_s_or_default()
-    seq = _arrive(group_name, dist.get_rank(pg))
+    seq = _arrive(pg, group_name, dist.get_rank(pg))
     work = dist.all_gather(outs, buf, group=pg, async_op=True)
     wait_bounded(work, pg, what, group_name, timeout,
                  lambda: f"did not hear from every peer{_missing(group_name, W, seq)}")  # fmt: skip
@@ -241,11 +264,17 @@ def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None) -
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
-        what_happened = why() if why is not None else "timed out in a collective of the reference path"
-        msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} {what_happened} within "
-               f"{timeout:g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on another group, "
-               f"made another one, or died ({e}); this group's collectives are now out of step, so "
-               "every later mptp call on it raises: restart the job")  # fmt: skip
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            # Not a timeout (e.g. a dtype the backend refuses): the collective failed on this rank.
+            msg = (f"{what}: a collective on group {group_name!r} failed on rank {dist.get_rank(pg)} "
+                   f"({e}); this group's collectives may be out of step, so every later mptp call on "
+                   "it raises: restart the job")  # fmt: skip
+        else:
+            what_happened = why() if why is not None else "timed out in a collective of the reference path"
+            msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} {what_happened} within "
+                   f"{timeout:g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on another group, "
+                   f"made another one, or died ({e}); this group's collectives are now out of step, so "
+                   "every later mptp call on it raises: restart the job")  # fmt: skip
         mark_broken(pg, msg)
         raise RuntimeError(msg) from None
     if ok is False:

@@ -22,8 +22,29 @@ dropped from what the caller sees. Where that builder is missing, plain
 register_autograd is used and the backward gathers A again.
 """
 
+import contextlib
+import threading
+
 import torch
 import torch.distributed.distributed_c10d as c10d
+
+_CALL = threading.local()
+
+
+def grad_mode_at_call() -> bool:
+    """Grad mode where the user called the op. The op below autograd runs with grad disabled
+    (inside the autograd Function's forward), so the autograd kernels record it here."""
+    on = getattr(_CALL, "grad", None)
+    return torch.is_grad_enabled() if on is None else on
+
+
+@contextlib.contextmanager
+def _recording_grad_mode():
+    prev, _CALL.grad = getattr(_CALL, "grad", None), torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        _CALL.grad = prev
 
 _SCALED = ("fused_all_gather_scaled_matmul", "fused_scaled_matmul_reduce_scatter")
 
@@ -113,12 +134,13 @@ def _register_all_gather_matmul(lib) -> None:
     )
 
     def autograd_kernel(keyset, *args, **kwargs):
-        if kwargs.get("return_A", True) or not (
-            torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
-        ):
-            return inner(keyset, *args, **kwargs)
-        _, outs = inner(keyset, *args, **{**kwargs, "return_A": True})
-        return None, outs
+        with _recording_grad_mode():
+            if kwargs.get("return_A", True) or not (
+                torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+            ):
+                return inner(keyset, *args, **kwargs)
+            _, outs = inner(keyset, *args, **{**kwargs, "return_A": True})
+            return None, outs
 
     lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
 
@@ -151,6 +173,22 @@ def _rs_backward(ctx, dC):
 # -- scaled (FP8) ops: forward-only ---------------------------------------------------------------
 
 
+def _register_matmul_reduce_scatter(lib) -> None:
+    name = "fused_matmul_reduce_scatter"
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+    except ImportError:
+        torch.library.register_autograd(f"mptp::{name}", _rs_backward, setup_context=_rs_setup_context, lib=lib)
+        return
+    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(_rs_backward, _rs_setup_context))
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        with _recording_grad_mode():
+            return inner(keyset, *args, **kwargs)
+
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 def _forward_only(name: str):
     def backward(ctx, *grads):
         raise RuntimeError(
@@ -165,8 +203,6 @@ def _forward_only(name: str):
 def register(lib) -> None:
     """Registers autograd for every torch.ops.mptp op (called once, by _library)."""
     _register_all_gather_matmul(lib)
-    torch.library.register_autograd(
-        "mptp::fused_matmul_reduce_scatter", _rs_backward, setup_context=_rs_setup_context, lib=lib
-    )
+    _register_matmul_reduce_scatter(lib)
     for name in _SCALED:
         torch.library.register_autograd(f"mptp::{name}", _forward_only(name), lib=lib)

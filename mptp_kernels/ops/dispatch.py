@@ -81,12 +81,17 @@ def _ceil256(n: int) -> int:
 # -- 1. the call's signature -----------------------------------------------------------------------
 
 
-def _grad_fields(A, Bs):
-    """Which inputs require a gradient: the backward's collectives depend on it, so it must agree
-    (A needing one on one rank only left the other out of a backward reduce-scatter).
-    NOTE: the attribute, not grad mode: the autograd kernel runs the op with grad disabled."""
-    return [("A.requires_grad", int(A.requires_grad)),
-            ("Bs.requires_grad", int(any(isinstance(B, torch.Tensor) and B.requires_grad for B in Bs)))]  # fmt: skip
+def _backward_collective(name: str, A, Bs) -> list:
+    """Whether this call's backward will communicate: it must agree (A needing a gradient on one
+    rank only left the other out of a backward reduce-scatter). All-gather-matmul's backward
+    communicates for dA only (dB is local); matmul-reduce-scatter's for dA or dB (both need the
+    gathered dC). Grad mode is the caller's (the op itself runs below autograd, grad disabled)."""
+    from .autograd import grad_mode_at_call
+
+    if not grad_mode_at_call():
+        return [("backward_collective", 0)]
+    ts = [A] if name == "fused_all_gather_matmul" else [A, *Bs]
+    return [("backward_collective", int(any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)))]
 
 
 def describe(name: str, args, kwargs, W: int) -> Call:
@@ -98,7 +103,8 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         validate.check_list("Bs", Bs)
         _, gd = validate.all_gather_matmul(A, Bs, gather_dim, args[_GROUP_ARG[name]], scaled=scaled)
         must = [("A.dtype", dtype_code(A.dtype)), ("gather_dim", gd)] + shape_fields("A", A.shape)
-        must += _grad_fields(A, Bs)
+        if not scaled:  # (the scaled ops are forward-only)
+            must += _backward_collective(name, A, Bs)
         free = [("num_Bs", len(Bs))] + [(f"Bs[{i}].N", B.shape[1]) for i, B in enumerate(Bs)]
         need = A.numel() * A.element_size()
         if scaled:
@@ -138,7 +144,8 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         out_shape = [*A.shape[:-1], B.shape[1]]
         must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)
     must += [("A.dtype", dtype_code(A.dtype)), ("reduce_op", validate._REDUCE_OPS.index(reduce_op))]
-    must += _grad_fields(A, [B])
+    if not scaled:
+        must += _backward_collective(name, A, [B])
     # FP8 partials are reduced in fp32 (reference.reduce_scatter): 4 bytes per element on the transport.
     item = 4 if out_dtype in validate.FP8_DTYPES else torch.empty((), dtype=out_dtype).element_size()
     need = math.prod(out_shape) * item
@@ -233,13 +240,7 @@ def _canonical(name: str, args):
     def flat(b):
         return b.view(-1) if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == 1 else b
 
-    def scalar(s, A):
-        """A one-element A_scale of more than 2 dims that is not A's row-wise shape is tensor-wise
-        (as PyTorch's fallback reads it; the reference would broadcast the product to its dims)."""
-        if (isinstance(s, torch.Tensor) and isinstance(A, torch.Tensor) and s.numel() == 1 and s.dim() > 2
-                and tuple(s.shape) != (*A.shape[:-1], 1)):  # fmt: skip
-            return s.reshape(())
-        return s
+    scalar = validate.one_element_scale
 
     if name == "fused_all_gather_scaled_matmul" and isinstance(args[6], (list, tuple)):
         return (args[0], args[1], scalar(args[2], args[0]), *args[3:6], [flat(b) for b in args[6]], *args[7:])

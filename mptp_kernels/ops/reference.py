@@ -149,6 +149,7 @@ def all_gather_scaled_matmul(
     element or [1, N_i] float32. Outputs: A_full and [*A_full.shape[:-1], N_i] in
     out_dtypes[i] (default A's dtype as _scaled_mm defines it).
     """
+    A_scale = validate.one_element_scale(A_scale, A)  # (the fake impl is this function too)
     W, gather_dim = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=True)
     mode = validate.all_gather_scaled_lists(
         A, Bs, A_scale, B_scales, biases, result_scales, out_dtypes, use_fast_accum, gather_dim, W
@@ -197,6 +198,7 @@ def scaled_matmul_reduce_scatter(
     [*A.shape[:-1], 1]; B: [K, N] float8 column-major. Output: output_shape with
     dim orig_scatter_dim divided by the world size, in out_dtype.
     """
+    A_scale = validate.one_element_scale(A_scale, A)  # (the fake impl is this function too)
     W, _ = validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
     validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
     out_dtype = validate.scaled_out_dtype(out_dtype)

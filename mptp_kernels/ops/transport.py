@@ -56,7 +56,9 @@ def _bounded_group(t: torch.Tensor, group_name: str):
     peer skipped the call. Fake and traced tensors (the fake impls, torch.compile) keep the
     functional collectives, which only compute metadata there.
     """
-    if type(t) is not torch.Tensor or t.device.type != "cpu":
+    # NOTE: plain tensors and parameters (a Parameter's .contiguous() is itself); fake and
+    # functional tensors are other subclasses.
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
         return None
     import torch.distributed as dist
 
@@ -96,6 +98,8 @@ def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Ten
     """Sum-reduce-scatter along dim 0, in t's dtype (integers gloo cannot sum are widened, then wrapped back)."""
     if t.dtype not in _NATIVE and not t.is_floating_point() and t.dtype != torch.bool:
         return funcol_reduce_scatter(t.to(torch.int64), W, group_name).to(t.dtype)
+    if t.dtype not in _NATIVE and t.is_floating_point():  # e.g. the fnuz FP8s: gloo cannot sum them
+        return funcol_reduce_scatter(t.float(), W, group_name).to(t.dtype)
     pg = _bounded_group(t, group_name)
     if pg is None:
         return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))

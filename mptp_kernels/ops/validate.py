@@ -114,6 +114,16 @@ def _check_matmul_dtype(A) -> None:
         raise ValueError(f"A: torch.matmul does not support dtype {A.dtype} on {A.device.type}")
 
 
+def one_element_scale(s, A):
+    """A one-element A_scale of more than 2 dims that is not A's row-wise shape, as the 0-d
+    tensor-wise scale it is (PyTorch's fallback reads it so; the math would broadcast the
+    product to its dims). Anything else as given."""
+    if (isinstance(s, torch.Tensor) and isinstance(A, torch.Tensor) and s.numel() == 1 and s.dim() > 2
+            and tuple(s.shape) != (*A.shape[:-1], 1)):  # fmt: skip
+        return s.reshape(())
+    return s
+
+
 def _check_A(A) -> None:
     if not isinstance(A, torch.Tensor) or A.dim() < 2:
         shape = tuple(A.shape) if isinstance(A, torch.Tensor) else type(A).__name__

@@ -89,16 +89,24 @@ def test_a_rank_that_skips_a_call_never_gets_a_result(hostile2):
 def _one_rank_wants_grads():
     g, r = _sub(), dist.get_rank()
     A = torch.randn(4, 8, requires_grad=r == 0)
-    B = torch.randn(8, 3, requires_grad=True)
+    B = torch.randn(8, 3)
     ag = _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g.group_name))
     rs = _outcome(lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g.group_name))
-    return ag, rs
+    # Allowed: a B frozen on one rank (all-gather-matmul's dB is local), and anything under no_grad.
+    Bf = torch.randn(8, 3, requires_grad=r == 0)
+    A2 = torch.randn(4, 8, requires_grad=True)
+    frozen = _outcome(lambda: torch.ops.mptp.fused_all_gather_matmul(A2, [Bf], 0, g.group_name)[1][0].sum().backward())
+    with torch.no_grad():
+        nograd = _outcome(lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g.group_name))
+    return ag, rs, frozen, nograd
 
 
 def test_gradients_requested_on_one_rank_only_raise_everywhere(hostile2):
-    for ag, rs in hostile2.run(_one_rank_wants_grads, timeout_s=TIMEOUT_S):
-        assert ag[0] == "ValueError" and "requires_grad" in ag[1], ag
-        assert rs[0] == "ValueError" and "requires_grad" in rs[1], rs
+    """Where the backward would communicate on some ranks only, every rank raises in the forward."""
+    for ag, rs, frozen, nograd in hostile2.run(_one_rank_wants_grads, timeout_s=TIMEOUT_S):
+        assert ag[0] == "ValueError" and "backward_collective" in ag[1], ag
+        assert rs[0] == "ValueError" and "backward_collective" in rs[1], rs
+        assert frozen == ("ok", "") and nograd == ("ok", ""), (frozen, nograd)
 
 
 def _unsupported_dtype():
@@ -205,3 +213,76 @@ def test_the_timeout_names_the_peer_that_did_not_arrive():
         w.close()
     for kind, msg in res[:2]:
         assert kind == "RuntimeError" and "peer rank(s) [2]" in msg and "MPTP_TIMEOUT_S" in msg, (kind, msg)
+
+
+# -- a second round (no processes unless needed) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["inf", "1e20", "nan", "0.0005", "0", "-1"])
+def test_a_timeout_a_timedelta_cannot_hold_is_rejected(monkeypatch, raw):
+    """inf / 1e20 overflowed timedelta after the agreement was posted (a peer then paired its data
+    collective with the next call's agreement: a wrong value); under 1 ms it meant no timeout."""
+    from mptp_kernels import env
+
+    monkeypatch.setenv("MPTP_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match="MPTP_TIMEOUT_S"):
+        env.timeout_s()
+
+
+def test_the_late_peer_diagnosis_never_blocks_on_the_store(monkeypatch):
+    """A stalled store host made the timeout error wait for the store's own timeout."""
+    import time as _time
+
+    from mptp_kernels.ops import agreement
+
+    class Stalled:
+        def check(self, keys):
+            _time.sleep(30)
+
+        def get(self, key):
+            _time.sleep(30)
+
+    monkeypatch.setattr(agreement, "_store", lambda: Stalled())
+    t0 = _time.monotonic()
+    assert agreement._missing("g", 2, 1, wait_s=0.5) == ""
+    assert _time.monotonic() - t0 < 5
+
+
+def test_parameters_take_the_bounded_collectives(pg1):
+    from mptp_kernels.ops import transport
+
+    assert transport._bounded_group(torch.nn.Parameter(torch.randn(2, 2)), pg1) is not None
+    assert transport._bounded_group(torch.randn(2, 2), pg1) is not None
+
+
+def test_one_element_nd_a_scale_under_fake_tensors(pg1):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FP8 = torch.float8_e4m3fn
+    with FakeTensorMode():
+        A = torch.empty(8, 16, dtype=FP8)
+        B = torch.empty(8, 16, dtype=FP8).t()
+        A_full, (out,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
+            A, [B], torch.ones(1, 1, 1), [torch.ones(())], 0, pg1, [None], [None], [torch.float32], [False])
+        assert tuple(out.shape) == (8, 8) and out.dtype == torch.float32
+
+
+def _fnuz_reduce_scatter(seed):
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = _sub()
+    dt = torch.float8_e4m3fnuz
+    As = [randn((4, 8), seed + p, scale=0.25).to(dt) for p in range(W)]
+    B = randn((8, 6), seed + 30, scale=0.25).to(dt)
+    out = torch.ops.mptp.fused_matmul_reduce_scatter(As[r], B, "sum", 0, g.group_name)
+    want = sum(a.float() @ B.float() for a in As).chunk(W)[r]
+    assert out.dtype == dt
+    # Each partial and the sum round to the FP8 dtype: within two of its ulps of the fp32 sum.
+    torch.testing.assert_close(out.float(), want, rtol=2 * 2**-3, atol=2 * 2**-7)
+    # and the group still works
+    torch.ops.mptp.fused_all_gather_matmul(torch.randn(2, 8), [torch.randn(8, 3)], 0, g.group_name)
+
+
+def test_a_dtype_gloo_cannot_sum_is_reduced_in_fp32(hostile2):
+    """float8_e4m3fnuz passed the checks, then gloo raised "Invalid scalar type", reported as a
+    timeout, and the group was marked broken for a valid call."""
+    hostile2.run(_fnuz_reduce_scatter, SEED, timeout_s=TIMEOUT_S)
