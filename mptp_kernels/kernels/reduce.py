@@ -22,7 +22,7 @@ def _reduce_partials_kernel(P, OUT, numel, W, scale, E5M2_INF: tl.constexpr, SOF
     # NOTE: fixed order p = 0..W-1, so every rank gets bitwise-deterministic results. The
     # pointer advances by numel per partial: 64-bit, where p * numel in int32 would pass 2**31.
     ptrs = P + offs
-    for p in range(W):
+    for _ in range(W):
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += numel
     acc = acc * scale

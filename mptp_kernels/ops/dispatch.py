@@ -24,7 +24,6 @@ import functools
 import math
 import threading
 from collections import Counter
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +66,9 @@ def _enabled(group_name: str) -> bool:
     if is_symm_mem_enabled_for_group(group_name):
         return True
     try:  # a group enabled through PyTorch's own API counts too
-        from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group as torch_enabled
+        from torch.distributed._symmetric_memory import (
+            is_symm_mem_enabled_for_group as torch_enabled,
+        )
 
         return bool(torch_enabled(group_name))
     except Exception:  # noqa: BLE001
@@ -123,7 +124,7 @@ def describe(name: str, args, kwargs, W: int) -> Call:
     scaled = name == "fused_scaled_matmul_reduce_scatter"
     B, reduce_op = args[1], args[4 if scaled else 2]
     if scaled:
-        A_scale, B_scale, orig_sd, sd_after, group_name, output_shape, bias, result_scale, out_dtype = (
+        A_scale, B_scale, orig_sd, _, group_name, output_shape, bias, result_scale, out_dtype = (
             args[2], args[3], args[5], args[6], args[7], args[8], *args[9:12])  # fmt: skip
         validate.matmul_reduce_scatter(A, B, reduce_op, None, group_name, scaled=True)
         validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, B.shape[1])
@@ -217,7 +218,6 @@ def _signature(name: str):
 @functools.lru_cache(maxsize=None)
 def _arity(name: str):
     """(number of positional parameters, {keyword-only name: default}) of the op's reference."""
-    import inspect
 
     ps = _signature(name).parameters.values()
     pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -13,6 +13,7 @@ import torch
 from . import transport, validate
 from .validate import ScaleMode
 
+
 def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     """Gathers `t` along dim 0 on the call's transport (functional collectives by default)."""
     t = t.contiguous()

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_leaves
+from utils import cpu_rowwise_scaled_mm
 
 import mptp_kernels
 from mptp_kernels.compile import micro_pipeline
 from mptp_kernels.compile.micro_pipeline import micro_pipeline_pass
-from utils import cpu_rowwise_scaled_mm
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

@@ -33,11 +33,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
+from utils import cpu_rowwise_scaled_mm
 
 import mptp_kernels
 from mptp_kernels.compile import micro_pipeline
 from mptp_kernels.compile.micro_pipeline import micro_pipeline_pass, recording
-from utils import cpu_rowwise_scaled_mm
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
