@@ -204,6 +204,55 @@ def test_consumer_waits_for_late_flags(kernel, dtype):
     assert_matmul_close(C, ref, (A.float() @ B.float()).to(C.dtype), k=2.0, atol=1e-5)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: copies and a consumer holding every SM")
+@pytest.mark.parametrize("dtype,row_scales", [(torch.bfloat16, False), (FP8, False), (FP8, True)], ids=str)
+def test_consumer_at_production_size_with_copies_of_the_op(dtype, row_scales):
+    """The fused all-gather-matmul's own conditions at a Llama-70B shape (W = 8, M = 8192, K = 3584,
+    N = 8192, the default kernel and config): the chunks arrive through pull_chunks (same-device
+    cudaMemcpyAsync + flag memops) on another stream while the consumer holds every SM. If such
+    a copy needed an SM it could not get, the consumer would time out (as the op did for FP8
+    row-wise in loopback on the H200 at 8b087d0); here it must finish, correct, in seconds."""
+    import time
+
+    from mptp_kernels.symm.primitives import pull_chunks
+
+    W, M, K, N = 8, 8192, 3584, 8192
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    kw = {}
+    if dtype == FP8:
+        sa = (torch.rand(M, device=DEV) + 0.5) if row_scales else torch.tensor(0.5, device=DEV)
+        sb = (torch.rand(1, N, device=DEV) + 0.5) if row_scales else torch.tensor(2.0, device=DEV)
+        kw = dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16)
+    rows = M // W
+    A_late = torch.zeros_like(A)
+    A_late[:rows].copy_(A[:rows])
+    flags = torch.zeros(W, dtype=torch.int32, device=DEV)
+    flags[0] = 1
+    err = torch.zeros(6, dtype=torch.int32, device=DEV)
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the consumer is resident first
+        pull_chunks([(A_late[c * rows : (c + 1) * rows], A[c * rows : (c + 1) * rows], flags[c]) for c in range(1, W)],
+                    1, side)  # fmt: skip
+    t0 = time.monotonic()
+    (C,) = pm.persistent_matmul(A_late, [B], num_chunks=W, flags=flags, epoch=1, mode=pm.MODE_CONSUMER,
+                                timeout_s=20.0, err=err, tag=5, **kw)  # fmt: skip
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - t0
+    assert err.tolist() == [0] * 6, f"the consumer timed out waiting for a copy: record {err.tolist()}"
+    assert elapsed < 5.0, f"{elapsed:.1f} s"
+    if dtype == FP8:
+        # (CUDA's row-wise _scaled_mm writes bf16 only; both round once to bf16: 2 bf16 ulps)
+        ref = torch._scaled_mm(A, B, kw["A_scale"].view(-1, 1) if row_scales else kw["A_scale"], kw["B_scales"][0],
+                               out_dtype=torch.bfloat16)  # fmt: skip
+        torch.testing.assert_close(C.float(), ref.float(), rtol=2 * 2**-8, atol=1e-2)
+    else:
+        ref = A.float() @ B.float()
+        assert_matmul_close(C, ref.double(), ref.to(C.dtype), k=2.0, atol=1e-4)
+
+
 @pytest.mark.parametrize("W,M", [(2, 64), (4, 96)])
 def test_producer_scatters_chunks_to_their_owners(W, M):
     K, N = 32, 40
