@@ -1,6 +1,6 @@
 """Every MPTP_* environment variable, read in one place.
 
-MPTP_TIMEOUT_S       bound on every wait, in seconds (default 60).
+MPTP_TIMEOUT_S       bound on every wait, in seconds, 0.001 to 1e6 (default 60).
 MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
 MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
