@@ -74,15 +74,19 @@ def _gather_bytes(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     pg = _bounded_group(t, group_name)
     if pg is None:
         return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, W, group_name))
+    out = t.new_empty((W * t.shape[0], *t.shape[1:]) if t.dim() else (W,))
+    # NOTE: torch 2.14 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    return _bounded("all_gather_single", "all_gather_into_tensor", out, t, pg, group_name, "mptp all-gather")
+
+
+def _bounded(name, old_name, out, t, pg, group_name, what, **kw):
+    """out = c10d.<name>(t) on pg (<old_name> before torch 2.14), waited at most MPTP_TIMEOUT_S."""
     import torch.distributed as dist
 
     from . import agreement
 
-    out = t.new_empty((W * t.shape[0], *t.shape[1:]) if t.dim() else (W,))
-    # NOTE: torch 2.14 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(out, t, group=pg, async_op=True)
-    agreement.wait_bounded(work, pg, "mptp all-gather", group_name)
+    op = getattr(dist, name, None) or getattr(dist, old_name)
+    agreement.wait_bounded(op(out, t, group=pg, async_op=True, **kw), pg, what, group_name)
     return out
 
 
@@ -105,13 +109,9 @@ def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Ten
         return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
     import torch.distributed as dist
 
-    from . import agreement
-
     out = t.new_empty((t.shape[0] // W, *t.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work = scatter(out, t.contiguous(), op=dist.ReduceOp.SUM, group=pg, async_op=True)
-    agreement.wait_bounded(work, pg, "mptp reduce-scatter", group_name)
-    return out
+    return _bounded("reduce_scatter_single", "reduce_scatter_tensor", out, t.contiguous(), pg, group_name,
+                    "mptp reduce-scatter", op=dist.ReduceOp.SUM)  # fmt: skip
 
 
 class HostTransport:
