@@ -34,6 +34,7 @@ Rows go to bench/results/all_gather_matmul.csv (columns timed = op | pipeline, p
 import itertools
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -51,9 +52,12 @@ from common import (  # noqa: E402
 )
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.ops.fused import _consumer_sms  # noqa: E402
+from mptp_kernels.symm.loopback import mirror_loopback_buffers  # noqa: E402
 from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+_SHARED = None  # loopback(): the consumer's view of its group (every simulated peer shares this GPU)
 
 
 def _inputs(M, N, K, kind):
@@ -101,6 +105,9 @@ def loopback_op(group_name, W, M, N, K, kind):
     shard, shard_kw = _shard(A, kw, 0, rows)
     name, fn = op_call(group_name, shard, B, shard_kw)
     path = op_path(fn, name)
+    # NOTE: the peers' buffers then hold data like this rank's shard, not zeros (a matmul over
+    # zeros draws less power and runs faster than cuBLAS on real data).
+    mirror_loopback_buffers(group_name)
     peers = [_shard(A, {}, p, rows)[0] for p in range(1, W)]  # the shards the gather moves
     A_full = torch.empty_like(A)
     copies = [(A_full[p * rows : (p + 1) * rows], peers[p - 1], None) for p in range(1, W)]
@@ -119,6 +126,8 @@ def loopback_op(group_name, W, M, N, K, kind):
 
 def loopback(W, M, N, K, kind):
     A, B, kw = _inputs(M, N, K, kind)
+    global _SHARED
+    _SHARED = SimpleNamespace(shares_device=True, side=None)
     rows = M // W
     peers = [A[p * rows : (p + 1) * rows].clone() for p in range(W)]  # the simulated peers' buffers
     A_full = torch.empty_like(A)
@@ -130,6 +139,7 @@ def loopback(W, M, N, K, kind):
     ckw = dict(num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER, outs=out, **kw)
 
     pulls = [(A_full[p * rows : (p + 1) * rows], peers[p], flags[p]) for p in range(1, W)]
+    _SHARED.side = side
 
     scratch = torch.zeros(W, dtype=torch.int32, device="cuda")  # flags of the unfused providers
     pulls_unfused = [(d, src, scratch[i]) for i, (d, src, _) in enumerate(pulls)]
@@ -144,7 +154,9 @@ def loopback(W, M, N, K, kind):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             copies(side)
-        pm.persistent_matmul(A_full, [B], **ckw)
+        # NOTE: as the op (ops/fused.py _consumer_sms): these copies are device-local, so the
+        # consumer leaves SMs free for them (8, or 2 where they asked for a copy engine).
+        pm.persistent_matmul(A_full, [B], num_sms=_consumer_sms(_SHARED, torch.device("cuda")), **ckw)
         flags.zero_()
         main.wait_stream(side)
 

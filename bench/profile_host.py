@@ -36,7 +36,7 @@ def host_us(fn, calls):
     return (t1 - t0) / calls * 1e6
 
 
-def profile(fn, calls, top=25):
+def profile(fn, calls, top=25, sorts=("tottime",)):
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -47,7 +47,8 @@ def profile(fn, calls, top=25):
     pr.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    for key in sorts:
+        pstats.Stats(pr, stream=s).sort_stats(key).print_stats(top)
     return s.getvalue()
 
 

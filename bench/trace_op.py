@@ -20,7 +20,7 @@ from bench_all_gather_matmul import _inputs, _shard, op_call  # noqa: E402
 from bench_matmul_reduce_scatter import _inputs as rs_inputs  # noqa: E402
 from bench_matmul_reduce_scatter import op_call as rs_op_call  # noqa: E402
 
-from mptp_kernels.symm.loopback import init_loopback_group  # noqa: E402
+from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
 
 
 def main():
@@ -47,6 +47,7 @@ def main():
             print(f"a warm-up call raised: {e}")
             break
     torch.cuda.synchronize()
+    mirror_loopback_buffers(g)  # the peers' chunks hold real data, as in the benchmarks
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

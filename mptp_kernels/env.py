@@ -1,22 +1,36 @@
 """Every MPTP_* environment variable, read in one place.
 
-MPTP_TIMEOUT_S       bound on every wait, in seconds, 0.001 to 1e6 (default 60).
+MPTP_TIMEOUT_S       bound on every wait, in seconds, 0.001 to 1e6. Unset: waits for a peer
+                     that may legitimately be late (the host-side rendezvous and agreement,
+                     the reference path's collectives) use the process group's own timeout,
+                     as its collectives would (a rank saving a checkpoint is not a dead
+                     peer); device-side waits, which start once every rank reached the call,
+                     and the watchdog use 60.
 MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
 MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
 MPTP_CHECK_AGREEMENT on groups without an mptp workspace, check with one small collective
-                     per call that every rank makes the same call: "auto" (default) on
-                     gloo and other host-synchronous paths, off for CUDA tensors on NCCL
-                     (reading the answer would synchronize the stream); 1 always; 0 never.
-                     Groups with a workspace always check, through shared memory.
+                     per call that every rank makes the same call: 1 on; 0 or "auto"
+                     (default) off: the reference path then sends exactly the collectives
+                     of the unfused ops, so a rank that runs the op interoperates with one
+                     that runs the plain collective (torch.compile may fuse on one rank
+                     only: the graphs of the ranks may differ). Groups with a workspace
+                     always check, through shared memory.
 MPTP_ASYNC_ERROR_HANDLING  what the watchdog does after a timed-out wait: 0 the next
                      call raises; 1 abort at once; 2 (default) the next call raises,
                      and the process aborts if none did within MPTP_TIMEOUT_S.
+MPTP_CE_COPIES       0: never ask for copy-engine chunk copies in the fused all-gather
+                     (default 1: cuMemcpyBatchAsync with the prefer-overlap hint, where the
+                     driver has it and the stream is not capturing a CUDA graph).
+MPTP_RESERVE_SMS     SMs the all-gather consumer leaves free for chunk copies that may run as
+                     kernels where a peer shares this GPU, 1 to 64 (default 8; at most 2 where
+                     the copies asked for a copy engine).
 MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 """
 
 import logging
 import os
+from typing import Optional
 
 logger = logging.getLogger("mptp_kernels")
 
@@ -26,7 +40,7 @@ def _flag(name: str) -> bool:
 
 
 def _number(name: str, default: str, kind, ok) -> float:
-    raw = os.environ.get(name, default)
+    raw = os.environ.get(name, "").strip() or default  # set but empty: unset
     try:
         v = kind(raw)
     except ValueError:
@@ -51,24 +65,78 @@ def _timeout_range(v):
     return 0.001 <= v <= 1e6
 
 
+def _sms_range(v):
+    """between 1 and 64 (0 would let a copy that needs an SM wait behind the consumer for good)"""
+    return 1 <= v <= 64
+
+
+def ce_copies_enabled() -> bool:
+    raw = os.environ.get("MPTP_CE_COPIES", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"MPTP_CE_COPIES: expected 1 or 0, got {raw!r}")
+
+
+def reserve_sms() -> int:
+    return int(_number("MPTP_RESERVE_SMS", "8", int, _sms_range))
+
+
 def timeout_s() -> float:
     return _number("MPTP_TIMEOUT_S", "60", float, _timeout_range)
 
 
-def timeout_s_or_default() -> float:
-    """timeout_s(), or its default where MPTP_TIMEOUT_S is invalid: the exchange that tells the
-    peers about that error must still run, and be bounded."""
-    try:
+def group_timeout_s(pg, device: str = "cpu") -> Optional[float]:
+    """The process group's own timeout in seconds (init_process_group / new_group), or None."""
+    import torch
+
+    for dev in dict.fromkeys((device, "cpu", "cuda")):
+        try:
+            t = pg._get_backend(torch.device(dev)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no such backend (fake groups, another device type)
+            continue
+        if t > 0:
+            return t
+    return None
+
+
+def host_timeout_s(pg=None, device: str = "cpu") -> float:
+    """Bound on a host-side wait for peers that may legitimately be late: MPTP_TIMEOUT_S where
+    set, else the group's own timeout, else timeout_s()'s default."""
+    if os.environ.get("MPTP_TIMEOUT_S", "").strip() or pg is None:
         return timeout_s()
+    t = group_timeout_s(pg, device)
+    return t if t is not None else timeout_s()
+
+
+def host_timeout_s_or_default(pg=None, device: str = "cpu") -> float:
+    """host_timeout_s(), or the default where MPTP_TIMEOUT_S is invalid: the exchange that tells
+    the peers about that error must still run, and be bounded."""
+    try:
+        return host_timeout_s(pg, device)
     except ValueError:
-        return 60.0
+        return 60.0 if pg is None else (group_timeout_s(pg, device) or 60.0)
+
+
+def timeout_source() -> str:
+    """Where a host-side bound came from, for error messages."""
+    if os.environ.get("MPTP_TIMEOUT_S", "").strip():
+        return "MPTP_TIMEOUT_S"
+    return "the process group's timeout; MPTP_TIMEOUT_S overrides"
 
 
 def check_agreement(nccl: bool) -> bool:
-    """Whether a call on a group without a workspace checks agreement (nccl: CUDA tensors on NCCL)."""
+    """Whether a call on a group without a workspace checks agreement with one collective.
+
+    Off unless MPTP_CHECK_AGREEMENT=1: the check is one collective more than the unfused ops
+    make, so a rank whose compiled graph runs the op would pair it with a peer's plain
+    collective (the pass decides per rank, from that rank's graph). `nccl` (CUDA tensors on
+    NCCL: reading the answer synchronizes the stream) does not change the answer."""
+    del nccl
     raw = os.environ.get("MPTP_CHECK_AGREEMENT", "auto").strip().lower()
     if raw in ("", "auto"):
-        return not nccl
+        return False
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):

@@ -24,7 +24,7 @@ plain local tensors.
 
 from dataclasses import dataclass
 from types import MethodType
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
+
+from .ops.validate import autocast_dtype
 
 __all__ = [
     "ColumnParallelLinear",
@@ -73,17 +75,37 @@ def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement, style
     return x.to_local()
 
 
-def _output(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, bias, cfg) -> torch.Tensor:
-    """y is the local shard in `layout`; adds a DTensor bias and applies the output layout."""
+def _output(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, bias, cfg, last: Optional[int] = None):
+    """y is the local shard in `layout`; adds a DTensor bias and applies the output layout.
+
+    last: the global size of y's last dim where `layout` shards it (the layer's out_features),
+    which may not divide by the mesh size: DTensor must not assume even shards.
+    """
     want = _norm(cfg.output_layout, y.dim())
     if bias is None and cfg.use_local_output and want == _norm(layout, y.dim()):
         return y  # the common case: no DTensor round trip
-    out = DTensor.from_local(y, mesh, (layout,), run_check=False)
+    if last is None or last % mesh.size() == 0:  # even shards: DTensor infers shape and strides
+        out = DTensor.from_local(y, mesh, (layout,), run_check=False)
+    else:
+        shape = (*y.shape[:-1], last)
+        out = DTensor.from_local(y, mesh, (layout,), run_check=False, shape=torch.Size(shape),
+                                 stride=_strides_like(y, shape))  # fmt: skip
     if bias is not None:
         out = out + bias
     if out.placements != (want,):
         out = out.redistribute(placements=(want,))
     return out.to_local() if cfg.use_local_output else out
+
+
+def _strides_like(t: torch.Tensor, shape) -> Tuple[int, ...]:
+    """Dense strides for `shape` with t's dim order (the fused op's outputs are gather-dim-major:
+    a row-major global stride would claim a layout the local shard does not have)."""
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), -d))  # innermost first
+    stride, step = [0] * len(shape), 1
+    for d in order:
+        stride[d] = step
+        step *= shape[d]
+    return tuple(stride)
 
 
 @dataclass
@@ -96,28 +118,48 @@ class _Config:
     dim: int  # gather dim (column-wise) or scatter dim (row-wise)
 
 
+def _autocast(t):
+    """t as F.linear sees it inside an autocast region (the region's dtype for floating tensors
+    other than float64), so that the fused styles compute and return what nn.Linear would; the
+    ops themselves never autocast."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    want = autocast_dtype(t.device)
+    return t.to(want) if want is not None and t.dtype != want else t
+
+
 def _colwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
     x = _local_input(
         x, cfg.mesh, cfg.input_layout, cfg.input_layout, "FusedColwiseParallel", even=True
     )
-    w = _local(self.weight)  # [out_features / W, in_features]
+    x, w = _autocast(x), _autocast(_local(self.weight))  # w: [out_features / W, in_features]
     _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
         x, [w.t()], cfg.dim, cfg.group_name, return_A=False
     )
     if self.bias is not None:  # sharded like the output columns: a local add
-        y = y + _local(self.bias)
-    return _output(y, cfg.mesh, Shard(-1), None, cfg)
+        y = y + _autocast(_local(self.bias))
+    return _output(y, cfg.mesh, Shard(-1), None, cfg, last=self.out_features)
 
 
 def _rowwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
-    x = _local_input(x, cfg.mesh, cfg.input_layout, Shard(-1))
-    w = _local(self.weight)  # [out_features, in_features / W]
+    x = _autocast(_local_input(x, cfg.mesh, cfg.input_layout, Shard(-1)))
+    w = _autocast(_local(self.weight))  # [out_features, in_features / W]
     y = torch.ops.mptp.fused_matmul_reduce_scatter(x, w.t(), "sum", cfg.dim, cfg.group_name)
     # A replicated bias joins after the reduce-scatter, as a DTensor, so that DTensor
     # reduces its gradient over the ranks' rows exactly as RowwiseParallel does.
-    return _output(y, cfg.mesh, Shard(cfg.dim), self.bias, cfg)
+    bias = self.bias
+    if bias is not None and bias.dtype != torch.float64 and autocast_dtype(y.device) is not None:
+        bias = bias.to(y.dtype)  # as F.linear under autocast (a DTensor keeps its placement)
+    return _output(y, cfg.mesh, Shard(cfg.dim), bias, cfg)
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is nn.Linear's own (a subclass that overrides it, e.g. a scaled
+    or LoRA linear, keeps DTensor's style: replacing its forward would drop what it adds)."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and "forward" not in vars(module))  # (nor one set on the instance by a library)
 
 
 def _check_mesh(style: str, mesh: DeviceMesh) -> str:
@@ -153,7 +195,7 @@ class FusedColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         in_layout = self.input_layouts[0]
-        if not isinstance(module, nn.Linear) or not isinstance(in_layout, Shard):
+        if not _plain_linear(module) or not isinstance(in_layout, Shard):
             return super()._apply(module, device_mesh)
         group_name = _check_mesh(type(self).__name__, device_mesh)
         self._partition_linear_fn("", module, device_mesh)
@@ -184,7 +226,7 @@ class FusedRowwiseParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         out_layout = self.output_layouts[0]
-        if not isinstance(module, nn.Linear) or not isinstance(out_layout, Shard):
+        if not _plain_linear(module) or not isinstance(out_layout, Shard):
             return super()._apply(module, device_mesh)
         group_name = _check_mesh(type(self).__name__, device_mesh)
         self._partition_linear_fn("", module, device_mesh)
@@ -199,12 +241,15 @@ class FusedRowwiseParallel(RowwiseParallel):
 
 def _group(group: Union[str, dist.ProcessGroup, None]) -> Tuple[str, int, int]:
     """(group_name, world_size, rank) of a process group, its name, or the world (None)."""
-    if group is None:
-        group = dist.group.WORLD
-    if isinstance(group, str):
-        import torch.distributed.distributed_c10d as c10d
+    from .ops import _name
 
-        group = c10d._resolve_process_group(group)
+    name = _name(group)  # a clear error for a non-member, a wrong type, or no process group
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        group = c10d._resolve_process_group(name)
+    except Exception as e:  # noqa: BLE001 - c10d raises various types
+        raise ValueError(f"group: no process group named {name!r} is registered ({e})") from None
     return group.group_name, dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -257,16 +302,18 @@ class ColumnParallelLinear(nn.Module):
         m = cls(linear.in_features, linear.out_features, group=group, gather_dim=gather_dim,
                 bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip
         n, r = m.weight.shape[0], m.rank
-        m.weight = nn.Parameter(linear.weight.detach()[r * n : (r + 1) * n].clone())
+        m.weight = nn.Parameter(linear.weight.detach()[r * n : (r + 1) * n].clone(),
+                                requires_grad=linear.weight.requires_grad)
         if linear.bias is not None:
-            m.bias = nn.Parameter(linear.bias.detach()[r * n : (r + 1) * n].clone())
+            m.bias = nn.Parameter(linear.bias.detach()[r * n : (r + 1) * n].clone(),
+                                  requires_grad=linear.bias.requires_grad)
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
-            x, [self.weight.t()], self.gather_dim, self.group_name, return_A=False
-        )
-        return y + self.bias if self.bias is not None else y
+        x, w = _autocast(x), _autocast(self.weight)  # as nn.Linear under autocast
+        _, (y,) = torch.ops.mptp.fused_all_gather_matmul(x, [w.t()], self.gather_dim, self.group_name,
+                                                        return_A=False)  # fmt: skip
+        return y + _autocast(self.bias) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -326,13 +373,13 @@ class RowParallelLinear(nn.Module):
         m = cls(linear.in_features, linear.out_features, group=group, scatter_dim=scatter_dim,
                 bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)  # fmt: skip
         k, r = m.weight.shape[1], m.rank
-        m.weight = nn.Parameter(linear.weight.detach()[:, r * k : (r + 1) * k].clone())
+        m.weight = nn.Parameter(linear.weight.detach()[:, r * k : (r + 1) * k].clone(),
+                                requires_grad=linear.weight.requires_grad)
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mptp.fused_matmul_reduce_scatter(
-            x, self.weight.t(), "sum", self.scatter_dim, self.group_name
-        )
+        x, w = _autocast(x), _autocast(self.weight)  # as nn.Linear under autocast
+        return torch.ops.mptp.fused_matmul_reduce_scatter(x, w.t(), "sum", self.scatter_dim, self.group_name)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "

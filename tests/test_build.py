@@ -37,7 +37,7 @@ def test_build_info_present():
 def test_extension_loads_without_libcuda():
     lib = _C.lib()
     assert lib is not None, _C.why_unavailable()
-    assert lib.mptp_abi_version() == 1
+    assert lib.mptp_abi_version() == _C.ABI_VERSION
     assert lib.mptp_ipc_handle_bytes() == 64
     needed = subprocess.run(["readelf", "-d", lib._name], capture_output=True, text=True).stdout
     assert "libcuda.so" not in needed, needed
@@ -53,3 +53,24 @@ def test_pure_python_install_says_why():
     info = mptp_kernels.build_info
     reason = info.SKIP_REASON if info is not None else "the package was not installed with pip"
     assert reason in _C.why_unavailable()
+
+
+@pytest.mark.parametrize("abi", [1, None])
+def test_a_stale_or_foreign_library_is_refused_with_a_reason(tmp_path, monkeypatch, abi):
+    """An extension built from older sources (another C ABI, missing newer symbols) must not be
+    called: lib() is None and why_unavailable() says to rebuild, so every op runs its reference path."""
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "stub.c"
+    src.write_text(f"int mptp_abi_version(void) {{ return {abi}; }}\n" if abi is not None else "int unrelated;\n")
+    so = tmp_path / "_C.so"
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    monkeypatch.setattr(_C, "_lib", None)
+    monkeypatch.setattr(_C, "_why", None)
+    monkeypatch.setattr(_C, "_find", lambda: str(so))
+    assert _C.lib() is None
+    why = _C.why_unavailable()
+    assert f"C ABI {abi}" in why and "rebuild" in why, why

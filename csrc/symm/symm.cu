@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -151,15 +152,62 @@ int write_value(void* stream, uint32_t* addr, uint32_t value) {
   return 0;
 }
 
+namespace {
+
+// CUmemcpyAttributes of cuda.h (CUDA 12.8+), which we deliberately do not include.
+struct MemcpyAttributes {
+  int src_access_order;  // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+  int src_loc_type, src_loc_id;
+  int dst_loc_type, dst_loc_id;
+  unsigned flags;  // CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+};
+static_assert(sizeof(MemcpyAttributes) == 24, "CUmemcpyAttributes layout");
+
+// One device-to-device copy that should not need an SM. NOTE: a plain cudaMemcpyAsync between
+// two buffers of one device may run as a kernel, which a persistent consumer holding every SM
+// would starve (a peer on the same GPU, or a loopback group); the batch API with the
+// prefer-overlap-with-compute hint asks for a copy engine (a hint, so the consumer still leaves
+// a few SMs free on a shared GPU). It is not used under stream capture (where the driver may not
+// accept it), nor where the driver lacks it: the caller then leaves more SMs free.
+// Set for good once the driver refuses a batch copy (seen: CUDA_ERROR_INVALID_VALUE for a source
+// mapped from another process with cudaIpcOpenMemHandle); later copies are plain, and
+// ce_copies() says so, so the consumer then leaves SMs free.
+std::atomic<bool> g_ce_refused{false};
+
+int copy(const Driver* drv, cudaStream_t s, void* dst, const void* src, size_t bytes, bool ce) {
+  if (ce && !g_ce_refused.load()) {
+    int dev = 0;
+    MPTP_CUDA_CHECK(cudaGetDevice(&dev));
+    MemcpyAttributes attr{1, 1, dev, 1, dev, 1u};  // CU_MEM_LOCATION_TYPE_DEVICE = 1
+    uint64_t d = reinterpret_cast<uint64_t>(dst), sp = reinterpret_cast<uint64_t>(src);
+    size_t n = bytes, idx = 0;
+    if (drv->memcpy_batch_async(&d, &sp, &n, 1, &attr, &idx, 1, s) == 0) return 0;
+    g_ce_refused.store(true);
+  }
+  MPTP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+  return 0;
+}
+
+}  // namespace
+
+int ce_copies(void* stream) {
+  const Driver* drv = driver();
+  if (drv == nullptr || drv->memcpy_batch_async == nullptr || g_ce_refused.load()) return 0;
+  // The batch API refuses the legacy default stream (handles 0 and cudaStreamLegacy).
+  if (stream == nullptr || stream == reinterpret_cast<void*>(0x1)) return 0;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  MPTP_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st));
+  return st == cudaStreamCaptureStatusNone ? 1 : 0;
+}
+
 int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
-                uint32_t* const* flags, uint32_t value, int n) {
+                uint32_t* const* flags, uint32_t value, int n, int use_ce) {
   const Driver* drv = driver();
   if (drv == nullptr) return -1;
   auto s = static_cast<cudaStream_t>(stream);
+  bool ce = use_ce != 0 && ce_copies(stream) == 1;
   for (int i = 0; i < n; ++i) {
-    if (bytes[i] > 0) {
-      MPTP_CUDA_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], bytes[i], cudaMemcpyDeviceToDevice, s));
-    }
+    if (bytes[i] > 0) MPTP_TRY(copy(drv, s, dsts[i], srcs[i], bytes[i], ce));
     if (flags[i] != nullptr) {
       int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(flags[i]), value,
                                          kWriteDefault);

@@ -45,10 +45,17 @@ int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_
 // persistent kernel spins on while it may hold every SM.
 int write_value(void* stream, uint32_t* addr, uint32_t value);
 
-// For each i: copy bytes[i] from srcs[i] to dsts[i] (copy engine), then write
-// `value` into flags[i] (memop; null skipped). One call instead of 2n from Python.
+// For each i: copy bytes[i] from srcs[i] to dsts[i], then write `value` into
+// flags[i] (memop; null skipped). One call instead of 2n from Python. With use_ce
+// and ce_copies(stream), the copies ask for a copy engine (a hint: the driver may
+// still run them on SMs).
 int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
-                uint32_t* const* flags, uint32_t value, int n);
+                uint32_t* const* flags, uint32_t value, int n, int use_ce);
+
+// 1 when pull_chunks on `stream` asks for copy-engine copies (the driver has
+// cuMemcpyBatchAsync, has not refused it, and the stream is neither the legacy default
+// stream nor capturing), else 0; -1 on a CUDA error.
+int ce_copies(void* stream);
 
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.

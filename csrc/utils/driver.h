@@ -3,6 +3,7 @@
 // libcuda, so it builds and loads on machines without a GPU driver.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace mptp {
@@ -13,6 +14,9 @@ struct Driver {
   int (*stream_write_value32)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
   int (*stream_wait_value32)(void* stream, uint64_t addr, uint32_t value, unsigned flags);
   int (*get_error_string)(int result, const char** str);
+  // cuMemcpyBatchAsync (CUDA 13 ABI); nullptr where the driver lacks it (optional).
+  int (*memcpy_batch_async)(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t count,
+                            void* attrs, size_t* attrs_idxs, size_t num_attrs, void* stream);
 };
 
 // Resolves the functions once; returns nullptr (and sets the last error) when

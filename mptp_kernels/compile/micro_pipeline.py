@@ -4,7 +4,7 @@ Rewrites (pattern -> replacement; R* is a chain of logical reshapes: reshape,
 view, _unsafe_view, flatten, unflatten, squeeze, unsqueeze, alias, clone):
 
   all-gather on dim d (any dim, the last one included):
-      A = wait(all_gather(shard)) [-> split dim 0 / slices -> cat(d)] [-> view.dtype]
+      A = wait(all_gather(shard)) [-> view.dtype] [-> split dim 0 / slices -> cat(d)] [-> view.dtype]
       C_i = mm(R*(A), B_i) | bmm(R*(A), expand(B_i)) | _scaled_mm(R*(A), B_i, ...)
    -> A', [O_i] = fused_all_gather_matmul(shard, [B_i], d)  (or the scaled op)
       C_i := reshape(O_i, C_i.shape); A := A' where A has other users
@@ -536,6 +536,15 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     nodes = [ag, wait]
     src = _skip_aliases(wait, nodes)
     pieces = _pieces_in_order(src, 0, W, _tval(shard).shape[0])
+    pre_view = _single_user(src) if pieces is None else None
+    if pre_view is not None and pre_view.target is aten.view.dtype and _tval(shard).dim() >= 2:
+        # The bytes viewed back before the split (funcol's reference form written out by hand
+        # for an FP8 that travelled as bytes): a view.dtype keeps dim 0 of a >= 2-D tensor.
+        viewed = _skip_aliases(pre_view, [])
+        pre_pieces = _pieces_in_order(viewed, 0, W, _tval(shard).shape[0])
+        if pre_pieces is not None:
+            nodes.append(pre_view)
+            src, pieces = _skip_aliases(pre_view, nodes), pre_pieces
     if pieces is None:
         # gather_dim 0: A is the waited tensor (maybe viewed back from bytes).
         res, view_dtype = src, None
@@ -549,7 +558,7 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     getitems = pieces[1:] if pieces[0].target in _SPLITS else pieces
     nodes.extend(pieces)
     # Optional per-piece view.dtype (type-erased fp8), then one cat in piece order.
-    ends, view_dtype = [], None
+    ends, view_dtype = [], (pre_view.args[1] if pre_view is not None and pre_view in nodes else None)
     for g in getitems:
         g = _skip_aliases(g, nodes)
         u = _single_user(g)

@@ -353,6 +353,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (cached)."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 _interpreting = epilogue.interpreting
 
 

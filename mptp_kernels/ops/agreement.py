@@ -6,7 +6,7 @@ all-gather-matmul's Bs, per-rank K of a matmul-reduce-scatter), the local
 decisions (can this rank's call be fused, how many workspace bytes it needs)
 and a local validation error, if any. The encoded Calls are exchanged (through
 the group's host rendezvous where it has a workspace, else, with
-one small collective: by default on gloo, with MPTP_CHECK_AGREEMENT=1 on NCCL), and resolve() returns
+one small collective, with MPTP_CHECK_AGREEMENT=1), and resolve() returns
 the same answer on every rank: a ValueError naming both calls when they
 disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 """
@@ -91,11 +91,19 @@ class Decoded:
 
 
 def decode(b: bytes) -> Decoded:
-    op, fusable, need, nm, nf = _HEAD.unpack_from(b, 0)
-    off = _HEAD.size
-    must = b[off : off + 8 * nm]
-    mv = struct.unpack_from(f"<{nm}q", b, off)
-    fv = struct.unpack_from(f"<{nf}q", b, off + 8 * nm)
+    try:
+        op, fusable, need, nm, nf = _HEAD.unpack_from(b, 0)
+        off = _HEAD.size
+        must = b[off : off + 8 * nm]
+        mv = struct.unpack_from(f"<{nm}q", b, off)
+        fv = struct.unpack_from(f"<{nf}q", b, off + 8 * nm)
+    except struct.error:
+        # NOTE: what a peer sent is not an mptp call's signature: it is in another collective
+        # on this group (calls must be made in the same order on every rank).
+        raise RuntimeError(
+            "mptp: a peer rank's message is not an mptp call (it is in another collective on this "
+            "group: every rank must make the same calls on a group, in the same order)"
+        ) from None
     err = b[off + 8 * (nm + nf) :].decode(errors="replace") or None
     return Decoded(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", bool(fusable), need, must, mv, fv, err)
 
@@ -216,7 +224,7 @@ def _missing(group_name: str, W: int, seq: int, wait_s: float = 1.0) -> str:
 
 
 def exchange_collective(payload: bytes, group_name: str, what: str) -> List[bytes]:
-    """One all-gather of a fixed-size byte tensor over the group, bounded by MPTP_TIMEOUT_S."""
+    """One all-gather of a fixed-size byte tensor over the group, bounded by env.host_timeout_s."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(group_name)
@@ -229,7 +237,7 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     outs = [torch.empty_like(buf) for _ in range(W)]
     # NOTE: read before the collective starts. A bad value is this rank's local error, which this
     # very exchange reports to the peers (the dispatcher put it in the payload).
-    timeout = env.timeout_s_or_default()
+    timeout = env.host_timeout_s_or_default(pg, dev.type)
     seq = _arrive(pg, group_name, dist.get_rank(pg))
     work = dist.all_gather(outs, buf, group=pg, async_op=True)
     wait_bounded(work, pg, what, group_name, timeout,
@@ -258,9 +266,10 @@ def check_broken(pg) -> None:
 
 
 def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None) -> None:
-    """Waits for a c10d work at most `timeout` s (MPTP_TIMEOUT_S); a timeout marks the group broken
-    and raises a RuntimeError naming op, group, rank and (why(), where it can tell) the peers."""
-    timeout = env.timeout_s() if timeout is None else timeout
+    """Waits for a c10d work at most `timeout` s (default env.host_timeout_s: MPTP_TIMEOUT_S, else
+    the group's own timeout); a timeout marks the group broken and raises a RuntimeError naming
+    op, group, rank and (why(), where it can tell) the peers."""
+    timeout = env.host_timeout_s(pg) if timeout is None else timeout
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -272,7 +281,7 @@ def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None) -
         else:
             what_happened = why() if why is not None else "timed out in a collective of the reference path"
             msg = (f"{what}: rank {dist.get_rank(pg)} of group {group_name!r} {what_happened} within "
-                   f"{timeout:g}s (MPTP_TIMEOUT_S): a peer skipped the call, called it on another group, "
+                   f"{timeout:g}s ({env.timeout_source()}): a peer skipped the call, called it on another group, "
                    f"made another one, or died ({e}); this group's collectives are now out of step, so "
                    "every later mptp call on it raises: restart the job")  # fmt: skip
         mark_broken(pg, msg)

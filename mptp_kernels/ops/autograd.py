@@ -23,10 +23,13 @@ register_autograd is used and the backward gathers A again.
 """
 
 import contextlib
+import math
 import threading
 
 import torch
 import torch.distributed.distributed_c10d as c10d
+
+from .validate import no_autocast
 
 _CALL = threading.local()
 
@@ -56,7 +59,13 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """
     if dim != t.dim() - 1:
         t = t.movedim(dim, 0)
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # (-1 is ambiguous with 0 columns)
+
+
+def _h(t: torch.Tensor) -> torch.Tensor:
+    """The conjugate transpose of a 2-D tensor (the transpose of a real one): the gradients of
+    C = A @ B are dC @ B^H and A^H @ dC."""
+    return t.t().conj().resolve_conj() if t.is_complex() else t.t()
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -94,14 +103,22 @@ def _ag_setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _ag_backward(ctx, dA_full, dCs):
-    A_full, *Bs = ctx.saved_tensors
+    # NOTE: saved_tensors is unpacked once: non-reentrant activation checkpointing refuses a
+    # second unpack.
+    saved = ctx.saved_tensors
+    with no_autocast(saved[0]):
+        return _ag_backward_impl(ctx, saved, dA_full, dCs)
+
+
+def _ag_backward_impl(ctx, saved, dA_full, dCs):
+    A_full, *Bs = saved
     d, g = ctx.gather_dim, ctx.group_name
     need_A, need_Bs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     live = [(dC, B) for dC, B in zip(dCs, Bs) if dC is not None]
     dA = None
     if need_A and (live or dA_full is not None):
         cols = [dC for dC, _ in live]
-        rows = [B.t() for _, B in live]
+        rows = [_h(B) for _, B in live]
         if dA_full is not None:
             k_full = dA_full.shape[-1]
             cols.append(dA_full)
@@ -113,7 +130,7 @@ def _ag_backward(ctx, dA_full, dCs):
     if any(need_Bs) and live:
         if ctx.regather:
             A_full = _gather(A_full, d, g)
-        A2t = _rows(A_full, d).t()
+        A2t = _h(_rows(A_full, d))
         for i, (dC, need) in enumerate(zip(dCs, need_Bs)):
             if need and dC is not None:
                 dBs[i] = A2t @ _rows(dC, d)
@@ -157,16 +174,22 @@ def _rs_setup_context(ctx, inputs, output):
 
 
 def _rs_backward(ctx, dC):
-    A, B = ctx.saved_tensors
+    saved = ctx.saved_tensors  # once: see _ag_backward
+    with no_autocast(saved[0]):
+        return _rs_backward_impl(ctx, saved, dC)
+
+
+def _rs_backward_impl(ctx, saved, dC):
+    A, B = saved
     need_A, need_B = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.world_size > 1:
         dC = dC / ctx.world_size
     # Only dB wanted: a one-column B keeps the all-gather and drops the matmul.
-    Bt = B.t() if need_A else B.t()[:, :1]
+    Bt = _h(B) if need_A else _h(B)[:, :1]
     dC_full, (dA,) = torch.ops.mptp.fused_all_gather_matmul(
         _dense(dC), [Bt], ctx.scatter_dim, ctx.group_name, return_A=True
     )
-    dB = _rows(A, ctx.scatter_dim).t() @ _rows(dC_full, ctx.scatter_dim) if need_B else None
+    dB = _h(_rows(A, ctx.scatter_dim)) @ _rows(dC_full, ctx.scatter_dim) if need_B else None
     return (dA if need_A else None), dB, None, None, None
 
 

@@ -4,11 +4,11 @@ Per call, on every rank:
   1. validate the inputs locally (a bad input is not raised yet where peers can be told);
   2. where the group has an mptp workspace (CUDA, extension built, group enabled,
      ranks on one host): exchange the call's signature and local decisions
-     through the workspace's host rendezvous; elsewhere do so with one small
-     collective (by default on gloo and host-staged paths; for CUDA tensors on
-     NCCL only with MPTP_CHECK_AGREEMENT=1, as reading it synchronizes). Every
-     rank then raises the same ValueError if any rank rejected its inputs or the
-     calls disagree;
+     through the workspace's host rendezvous; elsewhere, with MPTP_CHECK_AGREEMENT=1,
+     with one small collective (off by default: the reference path then sends exactly
+     the unfused ops' collectives, so a rank running the op pairs with a peer whose
+     compiled graph runs the plain collective). Every rank then raises the same
+     ValueError if any rank rejected its inputs or the calls disagree;
   3. decide fused or reference from what every rank published (fused only if
      every rank's call qualifies; workspace grown to the largest need), so the
      decision is identical on every rank by construction;
@@ -259,7 +259,7 @@ def run(name: str, *args, **kwargs):
     lock = _LOCKS.get(group_name)
     if lock is None:
         lock = _LOCKS.setdefault(group_name, threading.RLock())
-    with lock:
+    with lock, validate.no_autocast(args[0] if args else kwargs.get("A")):
         return _run(name, *args, **kwargs)
 
 
@@ -282,7 +282,9 @@ def _run(name: str, *args, **kwargs):
         agreement.check_broken(dist.distributed_c10d._resolve_process_group(group_name))
     try:
         call = describe(name, args, kwargs, W)
-        env.timeout_s()  # a bad MPTP_TIMEOUT_S is this rank's error: its peers are told, not left waiting
+        # A bad MPTP_* value is this rank's error: its peers are told where the call checks
+        # agreement (a workspace, or MPTP_CHECK_AGREEMENT=1); elsewhere they time out.
+        env.timeout_s(), env.reserve_sms(), env.ce_copies_enabled()
         local_err = None
     except (ValueError, TypeError, IndexError) as e:
         call, local_err = Call(name, error=f"{type(e).__name__}: {e}"), e
@@ -315,7 +317,9 @@ def _run(name: str, *args, **kwargs):
         from ..symm.rendezvous import PeerTimeout
 
         try:
-            payloads = ws.rendezvous.exchange(call.encode(), what)
+            pg = dist.distributed_c10d._resolve_process_group(group_name)
+            payloads = ws.rendezvous.exchange(call.encode(), what,
+                                              env.host_timeout_s_or_default(pg, A.device.type))  # fmt: skip
         except PeerTimeout as e:
             ws.broken = str(e)  # the call numbers are out of step for good
             raise RuntimeError(str(e)) from None
@@ -350,7 +354,7 @@ def _run(name: str, *args, **kwargs):
         TRANSPORT_COUNTS[(name, tr.name if tr is not None else "nccl")] += 1
     env.log_once((name, why, getattr(tr, "name", None)), "%s: reference path (%s) over %s", name, why,
                  getattr(tr, "name", "functional collectives"))  # fmt: skip
-    with _guard(ws, what), transport.using(tr):
+    with _guard(ws, what), transport.using(tr, what):
         return ref_fn(*args, **kwargs)
 
 

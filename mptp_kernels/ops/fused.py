@@ -94,6 +94,21 @@ def _scaled_launches(A_full, Bs, a_s, scaled, **kw):
     return outs
 
 
+def _consumer_sms(ws, dev) -> Optional[int]:
+    """The consumer's grid bound. NOTE: where a peer shares this GPU the chunk copies are
+    device-local, and such a copy may run as a kernel: a consumer on every SM would spin on a
+    flag that copy can never set. The copies ask for a copy engine (P.ce_copies), but that is a
+    hint the driver may ignore, so the consumer always leaves SMs free on a shared GPU:
+    MPTP_RESERVE_SMS where the copies surely run as plain copies, and min(2, that) as insurance
+    where they asked for a copy engine."""
+    if not getattr(ws, "shares_device", False):
+        return None
+    reserve = env.reserve_sms()
+    if P.ce_copies(ws.side):
+        reserve = min(2, reserve)
+    return max(1, pm.sm_count(dev) - reserve)
+
+
 def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     """scaled: None, or (A_scale, mode, B_scales, biases, out_dtypes, fast_accum)."""
     if W == 1:  # no communication: the matmul alone
@@ -164,7 +179,7 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     P.pull_chunks([(chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]) for p in peers], 1, stream=st.side)
     ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
-              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG)  # fmt: skip
+              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev))  # fmt: skip
     if scaled is None:
         outs2 = pm.persistent_matmul(A_full, Bs, **kw)
     else:

@@ -84,6 +84,12 @@ def all_gather_matmul(
     return (A_gm.movedim(0, gather_dim) if return_A else None), outs
 
 
+# (dtypes of A, B, the scales and the bias, scale modes, out dtype, fast accum) -> torch's CPU
+# kernel takes such calls. NOTE: a refusal for another reason (a layout) keeps the formula for
+# the key: the same values but for the last bits.
+_CPU_SCALED_MM: dict = {}
+
+
 def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=None, use_fast_accum=False):
     """torch._scaled_mm as the ops define it, the same on every device and torch version.
 
@@ -93,13 +99,29 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
     y = (sa * sb * A @ B + bias) * result_scale in fp32, saturated to the FP8 range,
     rounded to nearest: cuBLASLt's D-scale convention. NOTE: torch's own FP8 output is not
     one thing: CUDA _scaled_mm ignores scale_result in torch 2.10-2.11 (pytorch/pytorch#190449)
-    and the CPU divides by it, so the result scale is applied here. On the CPU everything is
-    computed in fp32 (torch 2.11's CPU _scaled_mm has no row-wise scales).
+    and the CPU divides by it, so the result scale is applied here. Non-FP8 outputs on the CPU
+    are torch._scaled_mm where it takes the scales (torch 2.11's CPU kernel has no row-wise
+    scales), else computed in fp32.
     """
     want = out_dtype or A.dtype
     fp8_out = want in validate.FP8_DTYPES
     if A.is_cuda and not fp8_out:
         return torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
+    # NOTE: real tensors only (not fake), and K > 0: torch's CPU kernel leaves a K = 0 output
+    # unwritten (garbage) where the product is zeros (plus the bias).
+    if not fp8_out and type(A) is torch.Tensor and A.device.type == "cpu" and A.shape[-1] > 0:
+        # NOTE: torch's own CPU _scaled_mm where it takes these scales (row-wise from torch 2.12),
+        # so a graph the pass rewrote rounds as the graph it replaced (fp32 products summed
+        # in another order differ in the last bits). Elsewhere the fp32 definition below.
+        key = (A.dtype, B.dtype, A_scale.dtype, B_scale.dtype, A_scale.numel() == 1, B_scale.numel() == 1,
+               None if bias is None else bias.dtype, want, use_fast_accum)  # fmt: skip
+        if _CPU_SCALED_MM.get(key, True):
+            try:
+                out = torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
+                _CPU_SCALED_MM[key] = True
+                return out
+            except (RuntimeError, NotImplementedError, ValueError, TypeError):  # e.g. mixed FP8 with bf16 scales
+                _CPU_SCALED_MM[key] = False
     if A.is_cuda and A_scale.numel() == 1 and B_scale.numel() == 1:
         y = torch._scaled_mm(A, B, A_scale, B_scale, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
     else:  # (CUDA's row-wise _scaled_mm writes bf16 only)

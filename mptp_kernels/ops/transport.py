@@ -26,13 +26,14 @@ _TAG = P.register_tag("reference path collective")
 
 
 @contextlib.contextmanager
-def using(transport):
-    prev = getattr(_current, "t", None)
-    _current.t = transport
+def using(transport, what: str = None):
+    """The transport of this thread's reference-path collectives; `what` names the op in errors."""
+    prev = getattr(_current, "t", None), getattr(_current, "what", None)
+    _current.t, _current.what = transport, what
     try:
         yield
     finally:
-        _current.t = prev
+        _current.t, _current.what = prev
 
 
 def current():
@@ -80,13 +81,20 @@ def _gather_bytes(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
 
 
 def _bounded(name, old_name, out, t, pg, group_name, what, **kw):
-    """out = c10d.<name>(t) on pg (<old_name> before torch 2.14), waited at most MPTP_TIMEOUT_S."""
+    """out = c10d.<name>(t) on pg (<old_name> before torch 2.14), waited at most env.host_timeout_s."""
     import torch.distributed as dist
 
     from . import agreement
 
     op = getattr(dist, name, None) or getattr(dist, old_name)
-    agreement.wait_bounded(op(out, t, group=pg, async_op=True, **kw), pg, what, group_name)
+    call = getattr(_current, "what", None)
+    # NOTE: counted like the agreement exchanges (a store write, no collective), so that a
+    # timeout names the peers that had not reached this collective.
+    seq = agreement._arrive(pg, group_name, dist.get_rank(pg))
+    W = dist.get_world_size(pg)
+    agreement.wait_bounded(op(out, t, group=pg, async_op=True, **kw), pg, call or what, group_name,
+                           why=lambda: f"timed out in the reference path's {what.removeprefix('mptp ')}"
+                                       f"{agreement._missing(group_name, W, seq)}")  # fmt: skip
     return out
 
 

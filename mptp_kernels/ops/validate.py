@@ -4,6 +4,7 @@ NOTE: every check here is local (shapes, dtypes, devices, group lookup), so each
 rank raises the same error before any communication starts.
 """
 
+import contextlib
 from enum import Enum
 from typing import Optional, Sequence
 
@@ -299,3 +300,19 @@ def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, N: Optional[int] =
         )
     if N is not None:
         _check_scale_pair("B_scale", A_scale.numel(), a_rowwise, A_scale.dtype, B_scale, N)
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype of the autocast region active for device's type, or None."""
+    dt = device.type
+    return torch.get_autocast_dtype(dt) if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt) else None
+
+
+def no_autocast(t):
+    """Autocast off for t's device type (a no-op context where it is off already). NOTE: the ops
+    compute in their inputs' dtypes on every path, forward and backward: the schema's (and the fake
+    impl's) output dtypes, as PyTorch's symm_mem ops; the fused path never autocasts, so neither may
+    the reference (ranks on different paths would otherwise disagree)."""
+    if isinstance(t, torch.Tensor) and autocast_dtype(t.device) is not None:
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()

@@ -9,6 +9,9 @@ import glob
 import os
 from typing import Optional
 
+# The C ABI this Python code calls (csrc/bindings.cpp mptp_abi_version); an extension built from
+# other sources is refused rather than called with the wrong arguments.
+ABI_VERSION = 2
 _lib = None
 _why: Optional[str] = None
 
@@ -43,8 +46,9 @@ def _declare(lib) -> None:
         "mptp_write_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_pull_chunks": (
             c.c_int,
-            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_uint32, c.c_int],
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_uint32, c.c_int, c.c_int],
         ),
+        "mptp_ce_copies": (c.c_int, [c.c_void_p]),
         "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
     }
@@ -67,9 +71,17 @@ def lib():
         else:
             try:
                 handle = ctypes.CDLL(path)
-                _declare(handle)
-                _lib = handle
-            except OSError as e:
+                # NOTE: the version first: a stale build lacks newer symbols, and must be refused
+                # with a reason (every op then runs its reference path), not fail in _declare.
+                abi = getattr(handle, "mptp_abi_version", None)
+                abi = abi() if abi is not None else None
+                if abi != ABI_VERSION:
+                    _why = (f"{path} has C ABI {abi}, this package needs {ABI_VERSION}: rebuild it "
+                            "(pip install --no-build-isolation -e .)")
+                else:
+                    _declare(handle)
+                    _lib = handle
+            except (OSError, AttributeError) as e:
                 _why = f"cannot load {path}: {e}"
     return _lib
 

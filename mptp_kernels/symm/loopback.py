@@ -9,7 +9,9 @@ payload for every peer. So a call of torch.ops.mptp.* runs exactly the code of
 a real group (validation, dispatch, rendezvous, copies into and out of the
 buffers with the copy engine, READY / DONE, the kernels) while the peers'
 traffic is the copy engine moving data between local buffers. Values are not
-meaningful (the peers' buffers hold whatever they hold); times are.
+meaningful (the peers' buffers hold zeros, or a copy of this rank's buffer after
+mirror_loopback_buffers(), which benchmarks call so that the matmul runs on real
+data); times are.
 """
 
 from typing import List
@@ -44,6 +46,7 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self.world_size = W = dist.get_world_size(group)
         self.device = device = torch.device(device)
         self._freed, self.captured, self.broken = False, False, None
+        self.shares_device = W > 1
         self._opened, self._local = [], []
         self.nbytes = max(int(nbytes), 1)
         self.rendezvous = _LoopbackRendezvous(W)
@@ -65,6 +68,15 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self._slot_table = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self._expected = torch.zeros(P.NUM_CHANNELS, W, dtype=torch.int32, device=self.device)
 
+    def mirror_local(self) -> None:
+        """Copies this rank's buffer into every peer's, so that the chunks an all-gather pulls hold
+        data like this rank's (a matmul over zeros runs faster than over real data: times would
+        flatter the op). Benchmarks call it after one call of the op."""
+        for p, b in enumerate(self.buffers):
+            if p != self.rank:
+                b.copy_(self.buffers[self.rank])
+        torch.cuda.synchronize(self.device)
+
     def free(self) -> None:
         self._freed = True
         torch.cuda.synchronize(self.device)
@@ -72,6 +84,13 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
 
     def abandon(self) -> None:
         self.free()
+
+
+def mirror_loopback_buffers(group_name: str) -> None:
+    """mirror_local() on every loopback workspace of `group_name` (see there)."""
+    for ws in list(P._WORKSPACES.values()) + P._RETIRED:
+        if isinstance(ws, LoopbackSymmetricMemory) and ws.group_name == group_name and not ws._freed:
+            ws.mirror_local()
 
 
 def is_loopback(group: dist.ProcessGroup) -> bool:

@@ -180,6 +180,16 @@ class _Watchdog:
 CH_READY, CH_DONE = 1, 2  # used by the ops: data published / finished with peers' buffers
 
 
+def _device_id(device: torch.device) -> str:
+    """The GPU's UUID: the same GPU has one UUID in every process, whatever index
+    CUDA_VISIBLE_DEVICES gives it there. Without one, a unique string (so the GPU counts as
+    shared, the safe side: SMs are left to the copies)."""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (RuntimeError, AttributeError):
+        return "unknown"
+
+
 class SymmetricMemory:
     """One buffer per rank of `group`, mapped by every rank, plus signal pads.
 
@@ -195,6 +205,8 @@ class SymmetricMemory:
         side, flags, ag_order, rs_order: the ops' side stream, chunk flags and
             chunk orders, created here so that a first op inside CUDA-graph
             capture needs no allocation.
+        shares_device: another rank of the group uses this GPU (W processes on one GPU, or a
+            loopback group): chunk copies between its buffers may then run on SMs.
         captured: set by an op that ran under CUDA-graph capture; such a
             workspace is never freed before shutdown() (a graph may replay it).
     """
@@ -257,7 +269,8 @@ class SymmetricMemory:
             shm_path = HostRendezvous.new_path()
             self.rendezvous = HostRendezvous(shm_path, 0, W, create=True)
         # Phase 2: exchange over the process group, then open the peers'.
-        info = (handles, granted, str(device), socket.gethostname(), shm_path)
+        # NOTE: the device's UUID tells W processes sharing one GPU apart from one GPU each.
+        info = (handles, granted, _device_id(device), socket.gethostname(), shm_path)
         all_info: List = [None] * W
         dist.all_gather_object(all_info, info, group=group)
         buf_ptrs, pad_ptrs, problem = [], [], None
@@ -313,6 +326,8 @@ class SymmetricMemory:
                 f"memory ({'; '.join(bad)}). The fused path needs all ranks' GPUs in one host "
                 "with peer access; the ops fall back to torch.distributed collectives."
             )
+        mine = all_info[self.rank][2]
+        self.shares_device = W > 1 and (mine == "unknown" or sum(i[2] == mine for i in all_info) > 1)
         if self.rendezvous is not None:
             self.rendezvous.read_pids()
         self.buffers = [tensor_at(p, granted, device, self) for p in buf_ptrs]
@@ -449,11 +464,16 @@ def write_value(flag: torch.Tensor, value: int, stream=None) -> None:
 
 
 def pull_chunks(copies, value: int = 1, stream=None) -> None:
-    """Stream-ordered copy-engine copies, each followed by a flag write (cuStreamWriteValue32).
+    """Stream-ordered device copies, each followed by a flag write (cuStreamWriteValue32).
 
     Args:
         copies: list of (dst, src, flag) with dst/src same-sized contiguous device
             tensors (src may be a peer's mapped buffer) and flag an int32 element or None.
+
+    The copies ask for a copy engine where ce_copies(stream) (cuMemcpyBatchAsync with the
+    prefer-overlap-with-compute hint, which the driver may ignore). NOTE: a plain copy between two
+    buffers of one device may run as a kernel, which a consumer holding every SM would starve:
+    see ops/fused.py _consumer_sms.
     """
     n = len(copies)
     if n == 0:
@@ -464,8 +484,23 @@ def pull_chunks(copies, value: int = 1, stream=None) -> None:
     srcs = P(*[s.data_ptr() for _, s, _ in copies])
     sizes = (ctypes.c_size_t * n)(*[d.numel() * d.element_size() for d, _, _ in copies])
     flags = P(*[f.data_ptr() if f is not None else None for _, _, f in copies])
+    use_ce = 1 if env.ce_copies_enabled() else 0
     _C.check(_lib().mptp_pull_chunks(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, flags,
-                                     value & 0xFFFFFFFF, n), "pull_chunks")  # fmt: skip
+                                     value & 0xFFFFFFFF, n, use_ce), "pull_chunks")  # fmt: skip
+
+
+def ce_copies(stream=None) -> bool:
+    """Whether pull_chunks on `stream` asks for copy-engine copies (a hint the driver may ignore): the driver
+    has cuMemcpyBatchAsync and has not refused it in this process (it refuses sources mapped from
+    another process), MPTP_CE_COPIES is not 0, the stream is not the legacy default stream and is
+    not capturing a CUDA graph."""
+    if not env.ce_copies_enabled():
+        return False
+    stream = stream or torch.cuda.current_stream()
+    rc = _lib().mptp_ce_copies(ctypes.c_void_p(stream.cuda_stream))
+    if rc < 0:
+        _C.check(rc, "ce_copies")
+    return rc == 1
 
 
 # (id(process group), device) -> workspace. Keyed by the group object, not its name:

@@ -118,7 +118,7 @@ class HostRendezvous:
         """Publishes payload for the next call; returns every rank's payload for it (rank order).
 
         Raises PeerTimeout naming `what`, the rank and the missing peers when a peer
-        does not reach the same call within MPTP_TIMEOUT_S, or has exited.
+        does not reach the same call within timeout_s (default env.host_timeout_s()), or has exited.
         """
         if len(payload) > PAYLOAD:
             raise ValueError(f"rendezvous payload of {len(payload)} bytes > {PAYLOAD}")
@@ -129,7 +129,7 @@ class HostRendezvous:
         struct.pack_into("<qiI", mm, half, n, len(payload), _crc(n, payload))
         struct.pack_into("<q", mm, _SLOT * r, n)
         self.seq = n
-        timeout = env.timeout_s_or_default() if timeout_s is None else timeout_s
+        timeout = env.host_timeout_s_or_default() if timeout_s is None else timeout_s
         waiting = [p for p in range(self.world_size) if p != r]
         start = time.monotonic()
         next_check, spins = start + 0.05, 0
@@ -147,7 +147,7 @@ class HostRendezvous:
                 if dead or now - start > timeout:
                     peers = dead or waiting
                     who = f"peer rank {peers[0]}" if len(peers) == 1 else f"peer ranks {', '.join(map(str, peers))}"
-                    why = "has exited" if dead else f"did not reach it within {timeout:g}s (MPTP_TIMEOUT_S)"
+                    why = "has exited" if dead else f"did not reach it within {timeout:g}s ({env.timeout_source()})"
                     raise PeerTimeout(
                         f"{what}: rank {r} is at call #{n} of this group, and {who} "
                         f"{why} (skipped the call, called another op, or died). This group's "

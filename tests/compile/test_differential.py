@@ -193,20 +193,21 @@ def _valid(c: Case) -> bool:
         return False
 
 
-# NOTE: torch 2.11's Dynamo refuses to trace funcol.all_gather_tensor on a dim other than 0
-# (it calls torch._utils._maybe_view_chunk_cat, marked as skipped): a graph break, so
-# fullgraph=True fails before the pass runs. There the gather is written out by hand.
-_OLD_FUNCOL = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+# NOTE: before torch 2.13 (seen on 2.11.0 and 2.12.1) Dynamo refuses to trace
+# funcol.all_gather_tensor on a dim other than 0 (it calls torch._utils._maybe_view_chunk_cat,
+# marked as skipped): a graph break, so fullgraph=True fails before the pass runs. There the
+# gather is written out by hand.
+_OLD_FUNCOL = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 
-def _build(c: Case, group, W, rank, seed, trace_only=False):
+def _build(c: Case, group, W, rank, seed, trace_only=False, hand=_OLD_FUNCOL):
     """Returns (fn, args): fn(*args) -> tuple of outputs; group None runs the collectives as a fake."""
     import torch.distributed._functional_collectives as funcol
 
     def all_gather(x, d):
         if group is None:
             return torch.cat([x] * W, d)
-        if d != 0 and _OLD_FUNCOL:  # what funcol does, written out (see _OLD_FUNCOL)
+        if d != 0 and hand:  # what funcol does, written out (see _OLD_FUNCOL)
             out = all_gather(x, 0)
             return torch.cat(torch.chunk(out, W, 0), d)
         if x.dtype == FP8:  # gloo cannot send fp8: it travels as bytes
@@ -362,7 +363,7 @@ def _compare(a, b) -> Optional[str]:
     return None
 
 
-def _run_cases(cases, seed):
+def _run_cases(cases, seed, hand=_OLD_FUNCOL):
     """Runs on every rank: [(case str, fused, expected, error or None, decisions)] per case."""
     import warnings
 
@@ -371,7 +372,7 @@ def _run_cases(cases, seed):
 
     mptp_kernels.enable_symm_mem_for_group(group.group_name)
     warnings.simplefilter("ignore")  # "fused none of ..." on the negative cases
-    built = [_build(c, group, W, rank, seed) for c in cases]
+    built = [_build(c, group, W, rank, seed, hand=hand) for c in cases]
     fn = _batch_fn([f for f, _ in built], [len(a) for _, a in built])
     flat = [t for _, a in built for t in a]
     try:
@@ -380,7 +381,7 @@ def _run_cases(cases, seed):
     except Exception as e:  # noqa: BLE001 - find the culprit case by case
         if len(cases) == 1:
             return [(str(cases[0]), None, cases[0].expect, f"{type(e).__name__}: {e}"[:2000], [])]
-        return [r for c in cases for r in _run_cases([c], seed)]
+        return [r for c in cases for r in _run_cases([c], seed, hand)]
     fused = sum(d.fused for d in decisions)
     per_case = [(str(c), None, c.expect, _compare(r, o), []) for c, r, o in zip(cases, ref, out)]
     # Fusion counts are per batch: attributed to the batch's first case.
@@ -402,9 +403,18 @@ def test_with_and_without_the_pass_agree(workers2):
     expected = [c for c in NAMED if c.scale != "row" or cpu_rowwise_scaled_mm()]
     assert len(named) == len(expected), [str(c) for c in expected if not _valid(c)]
     randoms = _random_cases(SEED, N_RANDOM)
+    failures, fused_random = _run_batches(workers2, _batches(named) + _batches(randoms))
+    print(
+        f"mptp differential: the pass fused {fused_random} of the {len(randoms)} random cases' collectives"
+    )
+    assert not failures, f"MPTP_DIFF_SEED={SEED}\n" + "\n".join(failures)
+
+
+def _run_batches(workers2, batches, hand=_OLD_FUNCOL):
+    """Runs the batches on both ranks: (failures, collectives fused in the random cases on rank 0)."""
     failures, fused_random = [], 0
-    for batch in _batches(named) + _batches(randoms):
-        for rank, results in enumerate(workers2.run(_run_cases, batch, SEED, timeout_s=600)):
+    for batch in batches:
+        for rank, results in enumerate(workers2.run(_run_cases, batch, SEED, hand, timeout_s=600)):
             for desc, fused, expect, err, decisions in results:
                 if err:
                     failures.append(f"rank {rank}: {desc}: {err}")
@@ -413,9 +423,15 @@ def test_with_and_without_the_pass_agree(workers2):
                 if fused is not None and expect is not None and fused != expect:
                     failures.append(f"rank {rank}: batch starting at {desc}: fused {fused}, expected {expect}:\n    "
                                     + "\n    ".join(decisions))  # fmt: skip
-    print(
-        f"mptp differential: the pass fused {fused_random} of the {len(randoms)} random cases' collectives"
-    )
+    return failures, fused_random
+
+
+def test_hand_written_gathers_fuse_as_funcol_s(workers2):
+    """The named all-gathers on a dim other than 0, written out as funcol's reference form (a
+    gather on dim 0, then chunks concatenated on d): what torch before 2.13 has to trace, FP8
+    viewed back from bytes before the split. Same values and fusions as funcol's own form."""
+    cases = [c for c in NAMED if _valid(c) and c.kind == "ag" and c.dim != 0]
+    failures, _ = _run_batches(workers2, _batches(cases), hand=True)
     assert not failures, f"MPTP_DIFF_SEED={SEED}\n" + "\n".join(failures)
 
 

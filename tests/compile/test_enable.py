@@ -217,6 +217,10 @@ def test_explain_reports_each_collective(fake4):
 # -- from a hostile review ------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    not hasattr(custom_graph_pass, "get_custom_graph_passes"),
+    reason="this torch (before 2.13) takes one pass in the slot, not a list",
+)
 def test_nested_enable_keeps_the_order_of_passes_after_ours(fake4):
     """explain() (a nested enable) re-wrapped [ours, after] as ours(chained=[after]): `after`
     then ran before the rewrite and saw no mptp op."""

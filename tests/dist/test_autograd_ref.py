@@ -407,3 +407,77 @@ def _block_vs_dtensor(seed, local_output):
 @pytest.mark.parametrize("local_output", [True, False])
 def test_fused_styles_with_sequence_parallel_norm(workers2, local_output):
     workers2.run(_block_vs_dtensor, SEED, local_output)
+
+
+# -- found by a hostile review: complex gradients, zero-width matmuls, autocast ---------------------
+
+
+def _cplx(shape, seed):
+    return torch.complex(randn(shape, seed, dtype=F64), randn(shape, seed + 1, dtype=F64))
+
+
+def _complex_and_empty_grads(seed):
+    """Complex gradients are dC @ B^H and A^H @ dC (conjugates, not transposes); K = 0 or N = 0
+    gives zero-size or zero gradients, not a reshape error."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    for (M, K, N), make in [((4, 3, 5), _cplx), ((4, 0, 5), randn), ((4, 3, 0), randn)]:
+        dt = torch.complex128 if make is _cplx else F64
+        shards = [make((M, K), seed + 10 * q) if make is _cplx else randn((M, K), seed + 10 * q, dtype=dt)
+                  for q in range(W)]  # fmt: skip
+        Bs = [make((K, N), seed + 100 + 10 * q) if make is _cplx else randn((K, N), seed + 100 + 10 * q, dtype=dt)
+              for q in range(W)]  # fmt: skip
+        what = f"{dt} M={M} K={K} N={N}"
+        # all-gather-matmul: L = sum_q Re <AG(A) @ B_q, AG(A) @ B_q> (|.|^2, so the conjugate matters)
+        ref_A = [s.clone().requires_grad_() for s in shards]
+        ref_B = [b.clone().requires_grad_() for b in Bs]
+        full = torch.cat(ref_A)
+        sum((full @ b).abs().pow(2).sum() for b in ref_B).backward()
+        A, B = shards[r].clone().requires_grad_(), Bs[r].clone().requires_grad_()
+        _, (C,) = torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)
+        C.abs().pow(2).sum().backward()
+        _close(A.grad, ref_A[r].grad, f"all-gather dA, {what}")
+        _close(B.grad, ref_B[r].grad, f"all-gather dB, {what}")
+        # matmul-reduce-scatter: every rank's A_q @ B_q summed, rows scattered
+        ref_A = [s.repeat(W, 1).clone().requires_grad_() for s in shards]
+        ref_B = [b.clone().requires_grad_() for b in Bs]
+        total = sum(a @ b for a, b in zip(ref_A, ref_B))
+        total.abs().pow(2).sum().backward()
+        A, B = shards[r].repeat(W, 1).requires_grad_(), Bs[r].clone().requires_grad_()
+        torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g).abs().pow(2).sum().backward()
+        _close(A.grad, ref_A[r].grad, f"reduce-scatter dA, {what}")
+        _close(B.grad, ref_B[r].grad, f"reduce-scatter dB, {what}")
+
+
+def test_complex_and_zero_width_gradients(workers2):
+    workers2.run(_complex_and_empty_grads, SEED)
+
+
+def _autocast_keeps_dtypes(seed):
+    """Inside autocast the ops keep the schema's dtypes (A's), as their fake impls and PyTorch's
+    own ops do, in eager and under torch.compile, and their gradients keep the inputs' dtypes."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    A = randn((4, 8), seed + r).requires_grad_()
+    B = randn((8, 6), seed + 50 + r).requires_grad_()
+
+    def f(A, B):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            A_full, (C,) = torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)
+            R = torch.ops.mptp.fused_matmul_reduce_scatter(A_full, B, "sum", 0, g)
+        return A_full, C, R
+
+    A_full, C, R = f(A, B)
+    assert [t.dtype for t in (A_full, C, R)] == [torch.float32] * 3, [t.dtype for t in (A_full, C, R)]
+    with torch.no_grad():  # the same math in fp32, no autocast
+        torch.testing.assert_close(C, A_full @ B, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (C.sum() + R.sum()).backward()
+    assert A.grad.dtype == B.grad.dtype == torch.float32
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)(A.detach(), B.detach())
+    assert [t.dtype for t in compiled] == [torch.float32] * 3
+
+
+def test_autocast_does_not_change_the_ops_dtypes(workers2):
+    workers2.run(_autocast_keeps_dtypes, SEED)

@@ -176,6 +176,18 @@ def _transformer_plan(kind, n_layers):
     return plan
 
 
+def _from_local_in_inference_mode_ok(mesh) -> bool:
+    """Whether this torch's DTensor.from_local takes a tensor that requires grad under inference_mode."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    try:
+        with torch.inference_mode():
+            DTensor.from_local(torch.zeros(2, 2, dtype=F64, requires_grad=True), mesh, (Shard(0),))
+        return True
+    except NotImplementedError:
+        return False
+
+
 def _parallelize(full, plan):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -220,8 +232,12 @@ def _block_case(seed, ndim, bias, noncontig, local_output, compiled):
         xl = xl.detach().requires_grad_()
         inp = lambda xl=xl: xl if local_output else DTensor.from_local(xl, mesh, (Shard(sd),))  # noqa: E731
         for ctx in (torch.no_grad, torch.inference_mode):  # inference: the same values, no graph
+            # NOTE: before torch 2.13 (seen on 2.12.1) DTensor.from_local of a tensor that
+            # requires grad raises under inference_mode (aten.detach_ has no sharding strategy),
+            # in PyTorch's own PrepareModuleInput too: there the input is detached first.
+            src = xl if ctx is torch.no_grad or _from_local_in_inference_mode_ok(mesh) else xl.detach()
             with ctx():
-                y = m(inp())
+                y = m(inp(src))
             assert not y.requires_grad
             res[(kind, ctx.__name__)] = y if local_output else y.to_local()
         y = m(inp())
@@ -446,7 +462,127 @@ def test_uneven_plain_shards_check_agreement():
     _own_workers({"MPTP_CHECK_AGREEMENT": "1"}, _uneven_plain_shards, 120)
 
 
-def test_uneven_plain_shards_default():
-    """Default settings: gloo groups check agreement (it was opt-in, and gloo aborted one rank
-    (EnforceNotMet) and hung the other)."""
-    _own_workers({}, _uneven_plain_shards, 120)
+# -- found by a hostile review: what a user of DTensor's styles does next -------------------------
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def _drop_in_cases():
+    """Non-reentrant checkpointing, an uneven out_features, an nn.Linear subclass with its own
+    forward, autocast and frozen weights: the fused styles and plain modules give what DTensor's
+    styles (and nn.Linear) give."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.utils.checkpoint import checkpoint
+
+    from mptp_kernels import ColumnParallelLinear, FusedColwiseParallel, FusedRowwiseParallel, RowParallelLinear
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (W,))
+    X = _rnd((2, 4, 8), 1)
+    x = X.chunk(W, 1)[r]
+
+    # 1. checkpoint(use_reentrant=False) around the plain modules: the same gradients.
+    up, down = nn.Linear(8, 12, bias=False, dtype=F64), nn.Linear(12, 8, bias=False, dtype=F64)
+    col = ColumnParallelLinear.from_linear(up, gather_dim=1)
+    row = RowParallelLinear.from_linear(down, scatter_dim=1)
+    grads = []
+    for ckpt in (False, True):
+        xi = x.clone().requires_grad_()
+        f = lambda t: row(col(t))  # noqa: E731
+        y = checkpoint(f, xi, use_reentrant=False) if ckpt else f(xi)
+        y.pow(2).sum().backward()
+        grads.append([xi.grad, col.weight.grad.clone(), row.weight.grad.clone()])
+        col.weight.grad = row.weight.grad = None
+    for a, b, what in zip(grads[0], grads[1], ("dx", "d col.weight", "d row.weight")):
+        _close(b, a, f"non-reentrant checkpoint: {what}")
+
+    # 2. An out_features that does not divide by W: the output DTensor has the layer's shape.
+    for layout, local in ((Replicate(), True), (Shard(-1), False)):
+        outs = []
+        for Style in (ColwiseParallel, FusedColwiseParallel):
+            torch.manual_seed(0)
+            m = nn.Linear(8, 13, dtype=F64)
+            parallelize_module(m, mesh, Style(input_layouts=Shard(1), output_layouts=layout, use_local_output=local))
+            outs.append(_full(m(x)))
+        assert outs[1].shape == (2, 4, 13), outs[1].shape
+        _close(outs[1], outs[0], f"uneven out_features, output {layout}")
+
+    # 3. An nn.Linear subclass keeps its own forward, and so does an nn.Linear whose forward a
+    # library set on the instance (3b).
+    def instance_forward():
+        m = nn.Linear(8, 6, dtype=F64)
+        m.forward = (lambda mod: lambda t: nn.Linear.forward(mod, t) * 3.0)(m)
+        return m
+
+    for make, what in ((lambda: _ScaledLinear(8, 6, dtype=F64), "nn.Linear subclass"),
+                       (instance_forward, "an instance-level forward")):  # fmt: skip
+        outs = []
+        for Style in (ColwiseParallel, FusedColwiseParallel):
+            torch.manual_seed(0)
+            m = make()
+            parallelize_module(m, mesh, Style(input_layouts=Shard(1)))
+            outs.append(m(x))
+        _close(outs[1], outs[0], what)
+
+    # 3c. A DTensor output (even out_features, batch 2, sequence gathered) reshapes like DTensor's.
+    outs = []
+    for Style in (ColwiseParallel, FusedColwiseParallel):
+        torch.manual_seed(0)
+        m = nn.Linear(8, 12, dtype=F64)
+        parallelize_module(m, mesh, Style(input_layouts=Shard(1), use_local_output=False))
+        y = m(x)
+        outs.append((_full(y.reshape(-1, 12)), _full(y.flatten(0, 1)), _full(y.contiguous())))
+    for a, b, what in zip(outs[0], outs[1], ("reshape", "flatten", "contiguous")):
+        _close(b, a, f"DTensor output {what}")
+
+    # 4. Autocast: the styles return what DTensor's (F.linear under autocast) return.
+    xf = X.float().chunk(W, 1)[r]
+    for pdt in (torch.float32, torch.bfloat16):
+        got = {}
+        for name, col_style, row_style in (("dtensor", ColwiseParallel, None), ("fused", FusedColwiseParallel, FusedRowwiseParallel)):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)).to(pdt)
+            plan = {"0": col_style(input_layouts=Shard(1))}
+            if row_style is not None:
+                plan["2"] = row_style(output_layouts=Shard(1))
+            else:
+                from torch.distributed.tensor.parallel import RowwiseParallel
+
+                plan["2"] = RowwiseParallel(output_layouts=Shard(1))
+            parallelize_module(m, mesh, plan)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got[name] = m(xf)
+        assert got["fused"].dtype == got["dtensor"].dtype == torch.bfloat16, (got["fused"].dtype, got["dtensor"].dtype)
+        torch.testing.assert_close(got["fused"].float(), got["dtensor"].float(), rtol=2e-2, atol=2e-2)
+
+    # 4b. The plain modules under autocast take and return what nn.Linear would.
+    lin = nn.Linear(8, 12, bias=True)
+    c = ColumnParallelLinear.from_linear(lin, gather_dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for inp in (xf, xf.bfloat16()):
+            out = c(inp)
+            assert out.dtype == torch.bfloat16 == lin(inp).dtype, out.dtype
+            ref = lin(X.float())[..., r * 6 : (r + 1) * 6]
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+    # 5. Frozen weights stay frozen; a bad group is a ValueError naming it.
+    frozen = nn.Linear(8, 12, bias=True, dtype=F64).requires_grad_(False)
+    assert not ColumnParallelLinear.from_linear(frozen).weight.requires_grad
+    assert not ColumnParallelLinear.from_linear(frozen).bias.requires_grad
+    assert not RowParallelLinear.from_linear(nn.Linear(12, 8, bias=False).requires_grad_(False)).weight.requires_grad
+    for bad in (3, "no-such-group"):
+        try:
+            ColumnParallelLinear(8, 12, group=bad)
+        except ValueError as e:
+            assert "group" in str(e), e
+        else:
+            raise AssertionError(f"group={bad!r} accepted")
+
+
+def test_styles_and_modules_are_drop_ins(workers2):
+    workers2.run(_drop_in_cases)

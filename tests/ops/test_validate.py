@@ -140,20 +140,53 @@ def test_integer_avg_reduce_scatter_keeps_the_dtype(pg1):
 
 
 @pytest.mark.parametrize("var,value", [("MPTP_TIMEOUT_S", "soon"), ("MPTP_TIMEOUT_S", "0"),
-                                       ("MPTP_ASYNC_ERROR_HANDLING", "3"), ("MPTP_ASYNC_ERROR_HANDLING", "x")])
+                                       ("MPTP_ASYNC_ERROR_HANDLING", "3"), ("MPTP_ASYNC_ERROR_HANDLING", "x"),
+                                       ("MPTP_RESERVE_SMS", "0"), ("MPTP_RESERVE_SMS", "65"),
+                                       ("MPTP_RESERVE_SMS", "some"), ("MPTP_CE_COPIES", "maybe")])  # fmt: skip
 def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
     from mptp_kernels import env
 
     monkeypatch.setenv(var, value)
-    fn = env.timeout_s if var == "MPTP_TIMEOUT_S" else env.async_error_handling
+    fn = {"MPTP_TIMEOUT_S": env.timeout_s, "MPTP_ASYNC_ERROR_HANDLING": env.async_error_handling,
+          "MPTP_RESERVE_SMS": env.reserve_sms, "MPTP_CE_COPIES": env.ce_copies_enabled}[var]  # fmt: skip
     with pytest.raises(ValueError, match=var):
         fn()
 
 
-@pytest.mark.parametrize("value,gloo,nccl", [(None, True, False), ("auto", True, False), ("1", True, True),
+@pytest.mark.parametrize("var,value", [("MPTP_RESERVE_SMS", "200"), ("MPTP_CE_COPIES", "perhaps")])
+def test_a_bad_environment_value_is_raised_before_any_communication(pg1, monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    A, B = torch.randn(4, 8), torch.randn(8, 6)
+    with pytest.raises(ValueError, match=var):
+        torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, pg1)
+
+
+@pytest.mark.parametrize("shares,ce,reserve,want", [(False, False, "8", None), (False, True, "8", None),
+                                                    (True, True, "8", 130), (True, True, "1", 131),
+                                                    (True, False, "8", 124), (True, False, "1", 131),
+                                                    (True, False, "64", 68)])  # fmt: skip
+def test_the_consumer_leaves_sms_to_copies_that_may_need_them(monkeypatch, shares, ce, reserve, want):
+    # Only where a peer shares this GPU could a chunk copy run as a kernel and wait behind a consumer
+    # holding every SM: plain copies (CUDA-graph capture, a driver that refuses the batch API) get
+    # MPTP_RESERVE_SMS, copies that asked for a copy engine (a hint) at most 2 as insurance.
+    from types import SimpleNamespace
+
+    from mptp_kernels.kernels import persistent_matmul as pm
+    from mptp_kernels.ops import fused
+    from mptp_kernels.symm import primitives as P
+
+    monkeypatch.setenv("MPTP_RESERVE_SMS", reserve)
+    monkeypatch.setattr(P, "ce_copies", lambda stream=None: ce)
+    monkeypatch.setattr(pm, "sm_count", lambda dev: 132)
+    ws = SimpleNamespace(shares_device=shares, side=None)
+    assert fused._consumer_sms(ws, torch.device("cuda", 0)) == want
+
+
+@pytest.mark.parametrize("value,gloo,nccl", [(None, False, False), ("auto", False, False), ("1", True, True),
                                              ("0", False, False), ("maybe", None, None)])  # fmt: skip
-def test_check_agreement_defaults_on_except_nccl(monkeypatch, value, gloo, nccl):
-    # auto: gloo paths are host-synchronous anyway; on NCCL reading the answer would sync the stream.
+def test_check_agreement_is_opt_in(monkeypatch, value, gloo, nccl):
+    # Off by default: the check is one collective more than the unfused ops make, and the pass
+    # may fuse on one rank only (tests/compile/test_rank_divergent.py).
     from mptp_kernels import env
 
     if value is None:
@@ -213,3 +246,70 @@ def test_workspace_calls_are_ordered_and_a_failure_marks_it_broken(monkeypatch):
     with pytest.raises(KeyError):
         with dispatch._guard(None, "w"):  # no workspace (CPU, NCCL): nothing to order or mark
             raise KeyError("x")
+
+
+def test_a_peer_message_that_is_not_an_mptp_call_is_a_clear_error():
+    # (a peer in another collective on the group, e.g. its own all_gather of a few bytes)
+    from mptp_kernels.ops import agreement
+
+    with pytest.raises(RuntimeError, match="not an mptp call"):
+        agreement.decode(b"\x01\x02\x03")
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_scaled_reference_rounds_as_torchs_scaled_mm(rowwise, out_dtype):
+    """A hostile review: the pass swapped torch's CPU _scaled_mm for the ops' fp32 formula,
+    which differed in the last bits (1681 of 2048 fp32 outputs) for scales that are not powers
+    of two. Where torch's CPU kernel takes the scales, the reference is that kernel."""
+    from utils import cpu_rowwise_scaled_mm
+
+    from mptp_kernels.ops import reference
+
+    if rowwise and not cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes tensor-wise scales only")
+    g = torch.Generator().manual_seed(3)
+    A = (torch.randn(64, 64, generator=g) * 4).to(torch.float8_e4m3fn)
+    B = (torch.randn(32, 64, generator=g) * 4).to(torch.float8_e4m3fn).t()
+    sa = torch.rand(64, 1, generator=g) + 0.01 if rowwise else torch.tensor(0.0123)
+    sb = torch.rand(1, 32, generator=g) + 0.01 if rowwise else torch.tensor(0.0371)
+    bias = torch.randn(32, generator=g).to(out_dtype) if out_dtype == torch.bfloat16 else None
+    want = torch._scaled_mm(A, B, sa, sb, bias=bias, out_dtype=out_dtype)
+    got = reference.scaled_mm(A, B, sa, sb, bias=bias, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want)
+
+
+def test_cpu_scaled_reference_takes_what_torchs_kernel_refuses():
+    """A review of the change above: mixed FP8 with bf16 tensor-wise scales made torch's CPU
+    kernel raise a ValueError, which escaped; and one refused call (fnuz inputs) switched torch's
+    kernel off for every later call with the same scale modes."""
+    from mptp_kernels.ops import reference
+
+    g = torch.Generator().manual_seed(4)
+    A = (torch.randn(16, 32, generator=g) * 4).to(torch.float8_e4m3fn)
+    B5 = (torch.randn(8, 32, generator=g) * 4).to(torch.float8_e5m2).t()
+    sa, sb = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.25, dtype=torch.bfloat16)
+    got = reference.scaled_mm(A, B5, sa, sb, out_dtype=torch.bfloat16)
+    want = ((A.double() @ B5.double()) * 0.125).to(torch.bfloat16)
+    assert torch.equal(got, want)  # small integers times powers of two: exact
+    fnuz = torch.float8_e4m3fnuz
+    Af, Bf = A.float().to(fnuz), B5.float().to(fnuz)
+    s1 = torch.tensor(0.0123)
+    reference.scaled_mm(Af, Bf, s1, s1, out_dtype=torch.float32)  # torch's CPU kernel refuses fnuz
+    B4 = B5.float().to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.0123), torch.tensor(0.0371)
+    got = reference.scaled_mm(A, B4, sa, sb, out_dtype=torch.float32)
+    assert torch.equal(got, torch._scaled_mm(A, B4, sa, sb, out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_scaled_reference_with_k_0_is_the_bias(bias):
+    """torch's CPU _scaled_mm leaves a K = 0 output unwritten (seen in CI: nonzero garbage)."""
+    from mptp_kernels.ops import reference
+
+    A = torch.empty(64, 0, dtype=torch.float8_e4m3fn)
+    B = torch.empty(32, 0, dtype=torch.float8_e4m3fn).t()
+    b = torch.randn(32) if bias else None
+    for _ in range(3):
+        out = reference.scaled_mm(A, B, torch.tensor(0.5), torch.tensor(0.5), bias=b, out_dtype=torch.float32)
+        assert torch.equal(out, b.expand(64, 32) if bias else torch.zeros(64, 32))

@@ -1,0 +1,127 @@
+"""The pass decides per rank, from that rank's graph: ranks may differ in what they fuse.
+
+Found by a hostile review (CPU, gloo): rank 0 logs a statistic of an intermediate (a common
+training-loop habit; Dynamo specializes dist.get_rank(), so only rank 0's graph has the extra
+output), which makes the pass leave rank 0's collective alone and fuse rank 1's. The fused op
+then sent an agreement all-gather the plain collective never sends: the ranks' collectives
+paired up wrongly (gloo abort, a hang, or, with a shard the size of the agreement message,
+silently wrong values on rank 0). Without the opt-in check (MPTP_CHECK_AGREEMENT=1) the
+reference path sends exactly the collectives of the unfused ops, so the ranks interoperate.
+
+Also here: with MPTP_TIMEOUT_S unset, host-side waits for peers use the process group's own
+timeout, as its collectives would (a rank late by more than a fixed 60 s, e.g. saving a
+checkpoint, ended the job with the pass enabled, and waited without it).
+"""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist.harness import Workers
+
+TIMEOUT_S = 300  # hard bound on every multi-process run
+
+
+@pytest.fixture(scope="module")
+def plain2():
+    """Two gloo ranks with default MPTP_* settings (agreement off, no MPTP_TIMEOUT_S)."""
+    w = Workers(2, env={"MPTP_CHECK_AGREEMENT": "", "MPTP_TIMEOUT_S": ""})
+    yield w
+    w.close()
+
+
+def _ints(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).float()  # exact sums in fp32
+
+
+def _divergent(kind):
+    import torch.distributed._functional_collectives as funcol
+
+    import mptp_kernels
+    from mptp_kernels.compile.micro_pipeline import recording
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    mptp_kernels.enable_symm_mem_for_group(g)
+
+    def row_parallel(x, w):
+        partial = x @ w
+        out = funcol.reduce_scatter_tensor(partial, "sum", 0, g)
+        return (out, partial.norm()) if dist.get_rank() == 0 else (out, None)
+
+    def col_parallel_last(x, w):
+        # The hidden (last) dim, written as funcol's reference form (torch < 2.13's Dynamo cannot
+        # trace funcol's gather on dim != 0).
+        full = funcol.all_gather_tensor(x, 0, g)
+        A = torch.cat(torch.chunk(full, W, 0), 1)
+        y = A @ w
+        return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
+
+    if kind == "rs":
+        fn, args = row_parallel, (_ints((4 * W, 8), r), _ints((8, 6), 9))
+    else:  # a [13, 10] fp32 shard: 520 bytes, the size of an agreement message
+        fn, args = col_parallel_last, (_ints((13, 10), r), _ints((10 * W, 6), 9))
+    eager = fn(*args)[0]
+    torch._dynamo.reset()
+    decisions = []
+    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+    with torch._inductor.config.patch(fast), mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
+        out = torch.compile(fn, fullgraph=True)(*args)[0]
+    assert out.shape == eager.shape and torch.equal(out, eager), f"rank {r}: compiled != eager"
+    return sum(d.fused for d in decisions)
+
+
+@pytest.mark.parametrize("kind", ["rs", "ag_last_520_bytes"])
+def test_ranks_that_fuse_differently_compute_the_same_values(plain2, kind):
+    fused = plain2.run(_divergent, kind, timeout_s=TIMEOUT_S)
+    # The case is what it says: rank 0 left its collective alone, rank 1 fused it.
+    assert fused == [0, 1], fused
+
+
+def _group_timeout():
+    import time
+
+    from mptp_kernels import env
+
+    r = dist.get_rank()
+    pg = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    assert env.host_timeout_s(pg) == 2.0
+    A, B = torch.ones(4, 8), torch.ones(8, 4)
+    if r == 1:  # skips the call
+        time.sleep(8)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, pg.group_name)
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        msg = str(e)
+        assert "process group's timeout" in msg and "rank 0" in msg, msg
+        # The op, the group and the peer that did not arrive (a review: the default path named
+        # only "mptp all-gather", and no peer).
+        assert "fused_all_gather_matmul" in msg and pg.group_name in msg and "[1]" in msg, msg
+        assert took < 6, took
+        return "raised"
+    raise AssertionError("rank 0 got a result although rank 1 skipped the call")
+
+
+def test_host_waits_default_to_the_group_timeout(plain2):
+    assert plain2.run(_group_timeout, timeout_s=TIMEOUT_S) == ["raised", "skipped"]
+
+
+def test_mptp_timeout_s_overrides_the_group_timeout(monkeypatch, pg1):
+    from mptp_kernels import env
+
+    pg = dist.group.WORLD
+    monkeypatch.delenv("MPTP_TIMEOUT_S", raising=False)
+    assert env.host_timeout_s(pg) == env.group_timeout_s(pg) > 0
+    assert "process group" in env.timeout_source()
+    monkeypatch.setenv("MPTP_TIMEOUT_S", "7")
+    assert env.host_timeout_s(pg) == 7.0 and env.timeout_source() == "MPTP_TIMEOUT_S"
+    assert env.host_timeout_s(None) == 7.0
+    monkeypatch.setenv("MPTP_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match="MPTP_TIMEOUT_S"):
+        env.host_timeout_s(pg)
+    assert env.host_timeout_s_or_default(pg) == env.group_timeout_s(pg)
