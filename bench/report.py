@@ -9,8 +9,7 @@ Rows of record: in each bench/results/<bench>.csv, the rows of the run appended
 last (its commit), unless --commit picks one. Every table names that commit,
 the machine (GPU, torch, Triton) and the date; the fused-op tables say for each
 row which path the op takes by default: the CSV's `path` column where the bench
-recorded it (mptp_kernels.path_counts()), else derived from the dispatcher's size
-rule and marked so. Plots (<bench>.png beside the CSV) need matplotlib; without
+recorded it (mptp_kernels.path_counts()), else "unknown". Plots (<bench>.png beside the CSV) need matplotlib; without
 it the tables are still printed.
 """
 
@@ -19,13 +18,11 @@ import csv
 import functools
 import math
 import os
-import re
 import sys
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-FUSED_PY = os.path.join(HERE, "..", "mptp_kernels", "ops", "fused.py")
 BEGIN = "<!-- bench/report.py: begin (generated; edit bench/report.py, not this block) -->"
 END = "<!-- bench/report.py: end -->"
 # The design's bar for the persistent matmul (DESIGN.md, performance targets).
@@ -56,16 +53,6 @@ def machine(rows):
 
 def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
-def min_fused_flops():
-    """The dispatcher's eager size rule (mptp_kernels/ops/fused.py _MIN_FLOPS), or None if not found."""
-    try:
-        with open(FUSED_PY) as f:
-            m = re.search(r"^_MIN_FLOPS\s*=\s*([0-9.eE+_]+)", f.read(), re.M)
-        return float(m.group(1)) if m else None
-    except OSError:
-        return None
 
 
 # -- persistent matmul ---------------------------------------------------------------------------
@@ -157,19 +144,10 @@ def fused_cases(rows):
         by[key][r["provider"]] = float(r["median_us"])
         if r.get("path") and r["provider"] == "mptp":
             paths[key] = r["path"]
-    min_flops = min_fused_flops()
     out = []
     for key, t in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][3], -kv[0][4] * kv[0][5])):
-        if key in paths:
-            out.append((key, t, paths[key], True))
-            continue
-        _, _, _, M, N, K = key
-        derived = (
-            "unknown"
-            if min_flops is None
-            else ("fused" if 2 * M * N * K >= min_flops else "reference")
-        )
-        out.append((key, t, derived, False))
+        # NOTE: a row without a recorded path predates the cost model: its default path is unknown.
+        out.append((key, t, paths.get(key, "unknown"), key in paths))
     return out
 
 
@@ -187,8 +165,7 @@ def fused_table(rows, commit, pipeline):
     cases = fused_cases(rows)
     if not cases:
         return ""
-    min_flops = min_fused_flops()
-    n_ref = sum(c[2] != "fused" for c in cases)
+    n_ref = sum(c[2] == "reference" for c in cases)
     # Rows before the `timed` column came from the hand-assembled pipeline.
     timed = {r.get("timed") or "pipeline" for r in rows if r["provider"] == "mptp"}
     if timed == {"op"}:
@@ -202,9 +179,7 @@ def fused_table(rows, commit, pipeline):
     if all(c[3] for c in cases):
         what += " The path column is what the op took (`mptp_kernels.path_counts()`)."
     else:
-        rule = f"{min_flops / 1e9:.0f} GFLOP" if min_flops else "the size rule (not found)"
-        what += (" Where the CSV has no path, the default path is derived from the dispatcher's "
-                 f"eager size rule (2MNK < {rule}: reference) and marked *derived*.")  # fmt: skip
+        what += " Rows without a recorded path show it as unknown."
     out = [
         f"Run {commit} on {machine(rows)}. {what} {n_ref} of {len(cases)} rows run the reference "
         "path by default (MPTP_FORCE_FUSED=1 fuses them).",
@@ -213,11 +188,11 @@ def fused_table(rows, commit, pipeline):
         "vs max(matmul, comm) | mptp us, CUDA graphs | speedup, CUDA graphs |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (mode, W, dt, M, N, K), t, path, rec in cases:
+    for (mode, W, dt, M, N, K), t, path, _rec in cases:
         mptp, sp, vs = _speedups(t, "")
         g_mptp, g_sp, _ = _speedups(t, "@graph")
         unfused = t.get("copy_cublas", t.get("nccl_cublas"))
-        shown = path if rec else f"{path} *derived*"
+        shown = path
         out.append(
             f"| {mode} | {W} | {dt} | {M} | {N} | {K} | {2 * M * N * K / 1e9:.0f} | {shown} | "
             f"{mptp:.1f} | {unfused:.1f} | {sp:.2f}x | "
@@ -248,7 +223,7 @@ def fused_plot(rows, commit, path, plt, title):
     a2.axhline(0.0, color="k", lw=0.8)
     a2.set_ylabel("mptp vs max(matmul, comm), %")
     a2.set_xticks(x, [f"{dt}\n{M}x{N}x{K}" for (_, _, dt, M, N, K), *_ in cases], fontsize=7)
-    how = "recorded" if all(c[3] for c in cases) else "derived from the size rule"
+    how = "recorded" if all(c[3] for c in cases) else "recorded where known"
     a2.set_xlabel(f"dtype, M x N x K (grey: the op runs the reference path by default, {how})")
     a1.legend(fontsize=7)
     a2.legend(fontsize=7)

@@ -8,7 +8,7 @@ MPTP_TIMEOUT_S       bound on every wait, in seconds, 0.001 to 1e6. Unset: waits
                      and the watchdog use 60.
 MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
-MPTP_FORCE_FUSED     1: skip the size heuristic and fuse whenever possible (default 0).
+MPTP_FORCE_FUSED     1: skip the cost model (ops/cost.py) and fuse whenever possible (default 0).
 MPTP_CHECK_AGREEMENT on groups without an mptp workspace, check with one small collective
                      per call that every rank makes the same call: 1 on; 0 or "auto"
                      (default) off: the reference path then sends exactly the collectives

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from . import agreement, reference, transport, validate
+from . import agreement, cost, reference, transport, validate
 from .agreement import Call, dtype_code, shape_fields
 
 # (op name, "fused" | "reference") -> number of calls on CUDA tensors; tests read it.
@@ -184,6 +184,24 @@ def _workspace(group_name: str, device, need: int):
         return None, str(e)
 
 
+def _link(ws, device, W: int, capturing: bool) -> cost.Link:
+    """What the cost model needs of this group's GPU and link (the same on every rank of a group
+    of like GPUs; where they differ, the decision is still combined over ranks)."""
+    from ..kernels import persistent_matmul as pm
+
+    sms = pm.sm_count(device)
+    shares = bool(getattr(ws, "shares_device", False))
+    reserve = 0
+    if shares and capturing:  # the chunk copies of a capture cannot ask for a copy engine
+        reserve = env.reserve_sms()
+    elif shares:
+        from . import fused
+
+        reserve = sms - fused._consumer_sms(ws, device)
+    return cost.Link(W, sms, torch.cuda.get_device_capability(device), shares, reserve,
+                     symm_reference=ws is not None)  # fmt: skip
+
+
 def _cuda_transport(group_name: str):
     pg = dist.distributed_c10d._resolve_process_group(group_name)
     if "nccl" in str(dist.get_backend(pg)).lower():
@@ -300,7 +318,6 @@ def _run(name: str, *args, **kwargs):
             why = "no Bs: a plain all-gather (as PyTorch's ops accept)"
         else:
             runner, why = fused_mod.plan(name, W, *args, **kwargs)
-    call.fusable = runner is not None
 
     ws, ws_why = (None, None)
     if is_cuda and W > 1:
@@ -309,7 +326,12 @@ def _run(name: str, *args, **kwargs):
         raise RuntimeError(ws.broken)
     if ws is None and runner is not None and W > 1:
         runner, why = None, ws_why
-        call.fusable = False
+    if runner is not None and not env.force_fused():
+        capturing = torch.cuda.is_current_stream_capturing()
+        fuse, cost_why = cost.prefer_fused(runner.work, _link(ws, A.device, W, capturing), capturing)
+        if not fuse:
+            runner, why = None, cost_why
+    call.fusable = runner is not None
 
     payloads = None
     what = f"mptp {name} on group {group_name!r}"

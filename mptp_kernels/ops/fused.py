@@ -36,15 +36,12 @@ from ..kernels.poison import poison_if_error
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
-from . import reference, validate
+from . import cost, reference, validate
 
 CH_READY, CH_DONE = P.CH_READY, P.CH_DONE
 _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-# Below this many FLOPs (about 0.45 ms of bf16 matmul on an H200) the eager
-# host-side cost of the fused path (a few hundred microseconds of launches,
-# measured in loopback: bench/results/h200_run_403e63f.log) beats the overlap
-# it buys; MPTP_FORCE_FUSED=1 overrides (CUDA graphs remove that cost).
-_MIN_FLOPS = 300e9
+# NOTE: whether a call that can be fused is worth fusing is the dispatcher's decision, from the
+# cost model (ops/cost.py) and the size of the work each runner carries (runner.work).
 MAX_SCATTER_W = 8
 # Output dtypes the fused epilogue writes (FP8 outputs with result_scale, as _scaled_mm).
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -65,8 +62,9 @@ def _common_reason(A: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _small(flops: float) -> bool:
-    return flops < _MIN_FLOPS and not env.force_fused()
+def _runner(fn, work: cost.Work):
+    fn.work = work
+    return fn, None
 
 
 def _begin(ws: P.SymmetricMemory, tag: int) -> None:
@@ -213,12 +211,13 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
         return None, f"world size {W} > 32"
     if any(B.dtype != A.dtype for B in Bs):
         return None, "Bs dtypes differ from A's"
-    M = A.numel() // A.shape[-1] * W
-    if _small(2 * M * A.shape[-1] * sum(B.shape[1] for B in Bs)):
-        return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
+    K = A.shape[-1]
+    out_bytes = max(torch.empty((), dtype=d).element_size() for d in scaled_args[4]) if scaled_args else A.element_size()
+    work = cost.Work("ag", A.numel() // K * W, K, sum(B.shape[1] for B in Bs), A.element_size(), out_bytes,
+                     A.element_size() == 1)  # fmt: skip
     if ref is None:
         ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
-    return (lambda ws: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref)), None
+    return _runner(lambda ws: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref), work)
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
@@ -316,10 +315,11 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
         return None, f"world size {W} > {MAX_SCATTER_W}"
     if B.dtype != A.dtype:
         return None, "B's dtype differs from A's"
-    M = A.numel() // A.shape[-1]
-    if _small(2 * M * A.shape[-1] * B.shape[1]):
-        return None, "problem too small for fusion to win (MPTP_FORCE_FUSED=1 overrides)"
-    return (lambda ws: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args)), None
+    K = A.shape[-1]
+    out_dtype = scaled_args[3] if scaled_args else A.dtype
+    work = cost.Work("rs", A.numel() // K, K, B.shape[1], A.element_size(),
+                     torch.empty((), dtype=out_dtype).element_size(), A.element_size() == 1)  # fmt: skip
+    return _runner(lambda ws: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args), work)
 
 
 # -- layout ---------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Fused or not: a small cost model of one call, the same on every rank (issue 14).
+
+A call's time is estimated for both paths as max(host time, GPU time): in eager the host
+launches ahead of the GPU, so whichever is longer sets the pace of a run of calls. Under
+CUDA-graph capture the host time is not replayed: only GPU time counts.
+
+    GPU, fused all-gather:      max(matmul / (eff * free SMs), comm + last chunk's matmul)
+    GPU, unfused all-gather:    comm + matmul
+    GPU, fused reduce-scatter:  matmul / (eff * free SMs) + exposed comm + reduction
+    GPU, unfused reduce-scatter: matmul + comm + reduction
+    matmul = 2 M N K / (SMs * per-SM rate);  comm = bytes moved per rank / link bandwidth
+
+The constants are measurements (bench/results/h200_record_74ef7b1.log, H200, W = 8 loopback,
+M = 8192, torch 2.11): cuBLAS ran 688-737 TFLOP/s in bf16 and 1257-1358 in FP8 over the six
+Llama-3 TP-8 shapes (per SM: 5.4e12 and 10.1e12 FLOP/s); the device-local chunk copies moved
+1.5-1.6 TB/s; in eager, host-bound calls took 820-1250 us (fused all-gather), 520-790 us
+(fused reduce-scatter), 440-600 / 630-770 us (the reference path over the package's own
+transport) at W = 8 and 177 us at W = 1 (profile_host_h200_73625ad.txt); FP8 row-wise calls
+took about 1.25x (fused) and 2.6x (reference) the bf16 ones.
+Other GPUs scale the per-SM rate by their compute capability (RATE_SCALE).
+
+Every input is what all ranks of a group see alike (shapes, dtypes, W, the GPU model, the
+group's link), and the dispatcher fuses only where every rank's call qualifies, so the
+decision is identical on every rank by construction. MPTP_FORCE_FUSED=1 skips the model.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+# Per-SM matmul rate on sm_90 (H200, cuBLAS), FLOP/s.
+RATE_16BIT = 5.4e12
+RATE_FP8 = 10.1e12
+# Per-SM rate of other architectures relative to sm_90 (dense tensor-core peak per SM per clock
+# times a typical clock); unknown ones count as 0.4.
+RATE_SCALE = {
+    (8, 0): 0.39,
+    (8, 6): 0.2,
+    (8, 9): 0.36,
+    (9, 0): 1.0,
+    (10, 0): 2.0,
+    (10, 3): 2.0,
+    (12, 0): 0.5,
+}
+# The persistent consumer / producer against cuBLAS on the same shape (0.93-0.97 measured).
+FUSED_EFF = 0.95
+# Bytes per second a rank receives: a device-local copy (peers sharing the GPU), a peer GPU.
+BW_SAME_DEVICE = 1.5e12
+BW_PEER = 350e9
+# Bytes per second of a memory-bound pass (the reduction reads W partials, writes one).
+BW_MEMORY = 3.0e12
+# Host microseconds per call, eager: base + per_peer * (W - 1), times the FP8 factor for FP8 calls
+# (the scaled ops' extra launches, and on the reference path the row-wise scales' own gather).
+HOST_FUSED = {"ag": (177.0, 130.0), "rs": (177.0, 70.0)}
+HOST_REFERENCE_SYMM = {"ag": (100.0, 55.0), "rs": (130.0, 85.0)}
+HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
+HOST_FP8 = {"fused": 1.25, "reference": 2.6}
+# Fixed GPU time of a call beyond its matmul and transfers, us: fused (signals, flag reset, the
+# poison checks); reference (signals, the layout copies; FP8: the scales' gather and casts),
+# measured from CUDA graphs as the op's time less copies + cuBLAS of the same run.
+FUSED_FIXED_US = 8.0
+REFERENCE_FIXED_US = {False: 15.0, True: 37.0}
+
+
+@dataclass(frozen=True)
+class Work:
+    """One call's size: op "ag" (all-gather-matmul) or "rs" (matmul-reduce-scatter); M the rows
+    of the whole product (gathered A's rows; the reduce-scatter's rows before the scatter), K,
+    N the columns of all Bs together, element sizes of A and of the output."""
+
+    op: str
+    M: int
+    K: int
+    N: int
+    a_bytes: int
+    out_bytes: int
+    fp8: bool
+
+
+@dataclass(frozen=True)
+class Link:
+    """What the model needs of the group and its GPU."""
+
+    W: int
+    sms: int
+    capability: Tuple[int, int]
+    shares_device: bool
+    reserve_sms: int = 0  # SMs the fused consumer leaves free (fused._consumer_sms)
+    symm_reference: bool = True  # the reference path runs on the package's own transport
+
+
+def _rate(work: Work, link: Link) -> float:
+    per_sm = (RATE_FP8 if work.fp8 else RATE_16BIT) * RATE_SCALE.get(tuple(link.capability), 0.4)
+    return per_sm * max(link.sms, 1)
+
+
+def _host(table, work: Work, link: Link, path: str) -> float:
+    base, per_peer = table[work.op]
+    return (base + per_peer * (link.W - 1)) * (HOST_FP8[path] if work.fp8 else 1.0)
+
+
+def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, float]:
+    """(fused, reference) estimated microseconds per call."""
+    W = link.W
+    matmul = 2.0 * work.M * work.N * work.K / _rate(work, link) * 1e6
+    free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1)
+    fused_mm = matmul / (FUSED_EFF * free)
+    bw = BW_SAME_DEVICE if link.shares_device else BW_PEER
+    if work.op == "ag":
+        comm = (W - 1) / W * work.M * work.K * work.a_bytes / bw * 1e6
+        gpu_fused = max(fused_mm, comm + fused_mm / W) + FUSED_FIXED_US
+        gpu_ref = comm + matmul + REFERENCE_FIXED_US[work.fp8]
+    else:
+        partial = work.M * work.N * work.out_bytes  # this rank's whole product
+        comm = (W - 1) / W * partial / bw * 1e6
+        reduce = (partial + partial / W) / BW_MEMORY * 1e6
+        # NOTE: the producer stores each chunk into its owner's buffer while it computes: only
+        # the part of the traffic that outlasts the matmul is exposed.
+        gpu_fused = fused_mm + max(comm - fused_mm, 0.0) + reduce + FUSED_FIXED_US
+        gpu_ref = matmul + comm + reduce + REFERENCE_FIXED_US[work.fp8]
+    if capturing:
+        return gpu_fused, gpu_ref
+    ref_table = HOST_REFERENCE_SYMM if link.symm_reference else HOST_REFERENCE_COLLECTIVE
+    return (max(_host(HOST_FUSED, work, link, "fused"), gpu_fused),
+            max(_host(ref_table, work, link, "reference"), gpu_ref))  # fmt: skip
+
+
+def prefer_fused(work: Work, link: Link, capturing: bool = False) -> Tuple[bool, Optional[str]]:
+    """(True, None) where the fused path is estimated faster, else (False, why)."""
+    fused, ref = estimate(work, link, capturing)
+    if fused < ref:
+        return True, None
+    mode = "CUDA-graph capture" if capturing else "eager"
+    return False, (f"cost model ({mode}): fused ~{fused:.0f} us vs unfused ~{ref:.0f} us per call "
+                   "(MPTP_FORCE_FUSED=1 overrides)")  # fmt: skip
