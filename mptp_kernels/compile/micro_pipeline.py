@@ -338,14 +338,33 @@ def _order_sensitive(n: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
 
 
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "mptp", "symm_mem", "_dtensor")
+
+
+def _is_collective(n: fx.Node) -> bool:
+    """Whether n issues a collective (a wait only waits for one: moving it pairs nothing)."""
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return t.namespace in _COLLECTIVE_NAMESPACES and t._schema.name.split("::")[-1] != "wait_tensor"
+
+
 def _check_raisable(anchor: fx.Node, nodes: set) -> None:
     """_Reject when moving `nodes` above `anchor` would reorder two order-sensitive nodes:
-    one of them that comes after `anchor` must not pass an order-sensitive node that stays."""
+    one of them that comes after `anchor` must not pass an order-sensitive node that stays.
+    A collective never moves above the anchor (itself a collective): ranks pair collectives
+    by order, and a rank whose graph was not rewritten (the pass decides per rank) would
+    pair it with another."""
     stays = None  # the first order-sensitive node after anchor that does not move
     after = False
     for n in anchor.graph.nodes:
         if n is anchor:
             after = True
+        elif after and n in nodes and _is_collective(n):
+            raise _Reject(
+                f"{n.name} ({n.target}) would have to move above the collective: collectives "
+                "must keep their order on every rank"
+            )
         elif after and n.op == "call_function" and _order_sensitive(n):
             if n not in nodes:
                 stays = stays or n
@@ -647,6 +666,10 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             # Row-wise [M, 1] -> one row per row of A_full (the op's "replicated" mode).
             if not (isinstance(_tval(a_scale).numel(), int) and _tval(a_scale).numel() == 1):
                 a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
+            else:
+                # NOTE: tensor-wise for the gathered A: 0-d, so the op cannot read it as a row-wise
+                # sharded scale (its reading of [1, 1] when the shard has one row, as PyTorch's).
+                a_scale = b.reshape(a_scale, [])
             nodes = [mm.node for mm in matmuls]
             op = torch.ops.mptp.fused_all_gather_scaled_matmul.default
             fused = b.call(op, (
@@ -767,7 +790,9 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
             f"dim {m.scatter_dim} of {list(C.shape)} is not provably a multiple of the world size"
         )
     last = m.scatter_dim == C.dim() - 1
-    b = _Builder(graph, m.wait, _fake_mode([m.inp, m.wait]))
+    # NOTE: the fused op goes where the reduce-scatter was issued, not where it was waited for:
+    # a collective issued in between would otherwise run before it on this rank only.
+    b = _Builder(graph, m.rs, _fake_mode([m.inp, m.wait]))
     try:
         if not mm.scaled:
             A = b.reshape(mm.A, [*C.shape[:-1], K])

@@ -217,12 +217,14 @@ def _check_scale_pair(arg: str, a_numel: int, a_rowwise: bool, a_dtype, B_scale,
     if B_scale.dim() > 2:  # (torch._scaled_mm rejects it; the reference would broadcast the product)
         raise ValueError(f"{arg}: expected one element or [1, {N}] with at most 2 dims, got shape "
                          f"{list(B_scale.shape)}")  # fmt: skip
+    # NOTE: tensor-wise too: torch._scaled_mm takes float32 scales only (the fused path would
+    # convert others, the reference raise after its collectives).
+    if a_dtype != torch.float32 or B_scale.dtype != torch.float32:
+        raise ValueError(f"A_scale, {arg}: scales must be float32 (as torch._scaled_mm's), "
+                         f"got {a_dtype} and {B_scale.dtype}")  # fmt: skip
     if a_numel == 1 and B_scale.numel() == 1:
         return
     if a_rowwise and tuple(B_scale.shape) == (1, N):
-        if a_dtype != torch.float32 or B_scale.dtype != torch.float32:
-            raise ValueError(f"A_scale, {arg}: row-wise scales must be float32 (as _scaled_mm's), "
-                             f"got {a_dtype} and {B_scale.dtype}")  # fmt: skip
         return
     a_mode = "tensor-wise" if a_numel == 1 else "row-wise"
     want = f"shape [1, {N}]" if a_numel != 1 else "one element" + (f" or shape [1, {N}]" if a_rowwise else "")

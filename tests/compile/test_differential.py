@@ -49,7 +49,7 @@ class Case:
     extra: str = ""  # extra users of intermediate values
     N: int = 8
     op: str = "sum"
-    scale: str = "tensor"  # "_scaled_mm": "tensor" | "row"
+    scale: str = "tensor"  # "_scaled_mm": "tensor" | "row" | "tensor11"
     expect: Optional[int] = None  # collectives the pass must fuse (named cases)
     name: str = ""
 
@@ -110,6 +110,10 @@ NAMED = [
         name="ag_scaled_row_3d",
     ),
     Case("ag", (4, 16), 1, "scaled", N=16, expect=0, name="ag_scaled_last"),
+    # A [1, 1] scale of the gathered A is tensor-wise, even where the shard has one row (the op
+    # alone would read [1, 1] on a one-row shard as row-wise sharded, as PyTorch's does).
+    Case("ag", (1, 16), 0, "scaled", N=1, scale="tensor11", expect=1, name="ag_scaled_11_n1"),
+    Case("ag", (1, 16), 0, "scaled", N=16, scale="tensor11", expect=1, name="ag_scaled_11_n16"),
     Case(
         "rs",
         (4, 4, 16),
@@ -235,6 +239,8 @@ def _build(c: Case, group, W, rank, seed, trace_only=False, hand=_OLD_FUNCOL):
     rows = x.numel() // K * (W if c.kind == "ag" else 1)
     if c.scale == "row":
         sa, sb = 2.0 ** _ints((rows, 1), s + 300, -1, 2), 2.0 ** _ints((1, c.N), s + 301, -1, 2)
+    elif c.scale == "tensor11":  # one element shaped [1, 1], a different value on each rank
+        sa, sb = torch.tensor([[2.0**rank]]), torch.tensor([[2.0]])
     else:
         sa, sb = torch.tensor(0.5), torch.tensor(2.0)
 

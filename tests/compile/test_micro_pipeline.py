@@ -535,3 +535,52 @@ def test_scaled_all_gather_3d_row_wise_scale_numerics(group):
         torch.rand(1, 16) + 0.5,
     )
     _check_numerics(f, args)
+
+
+# ---------------------------------------------------------------- collective order
+# Ranks pair collectives by the order they issue them, and the pass decides per rank: it must
+# never reorder two collectives of a graph (found by a hostile review: with one rank fusing,
+# the ranks' collectives paired crosswise, silently).
+
+
+def _issue_order(gm):
+    return [
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and getattr(n.target, "namespace", None) in ("_c10d_functional", "mptp")
+        and n.target is not c10d.wait_tensor.default
+    ]
+
+
+def test_a_collective_B_depends_on_never_moves_above_the_gather(fake4):
+    def gathered_after(shard, wsh):
+        A = _ag(shard, W4, fake4)
+        B = _ag(wsh, W4, fake4)
+        return torch.mm(A, B)
+
+    gm = _trace(gathered_after, torch.randn(8, 16), torch.randn(4, 8))
+    assert _run_pass(gm) == 0
+    assert _issue_order(gm) == [c10d.all_gather_into_tensor.default] * 2
+
+
+def test_a_collective_B_depends_on_issued_before_the_gather_fuses(fake4):
+    def gathered_before(shard, wsh):
+        B = _ag(wsh, W4, fake4)
+        A = _ag(shard, W4, fake4)
+        return torch.mm(A, B)
+
+    gm = _trace(gathered_before, torch.randn(8, 16), torch.randn(4, 8))
+    assert _run_pass(gm) == 1
+    assert _issue_order(gm) == [c10d.all_gather_into_tensor.default, mptp.fused_all_gather_matmul.default]
+
+
+def test_fused_reduce_scatter_is_issued_where_the_reduce_scatter_was(fake4):
+    def waited_after_another(x, w, z):
+        r1 = c10d.reduce_scatter_tensor(x @ w, "sum", W4, fake4)
+        r2 = c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", W4, fake4))
+        return c10d.wait_tensor(r1), r2
+
+    gm = _trace(waited_after_another, torch.randn(16, 8), torch.randn(8, 4), torch.randn(16, 4))
+    assert _run_pass(gm) == 1
+    assert _issue_order(gm) == [mptp.fused_matmul_reduce_scatter.default, c10d.reduce_scatter_tensor.default]

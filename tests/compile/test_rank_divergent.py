@@ -59,8 +59,17 @@ def _divergent(kind):
         y = A @ w
         return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
 
+    def b_gathered_after(x, wsh):
+        # B is gathered after A: fusing would move B's gather above A's on this rank only.
+        A = torch.cat(torch.chunk(funcol.all_gather_tensor(x, 0, g), W, 0), 1)
+        B = funcol.all_gather_tensor(wsh, 0, g)
+        y = A @ B
+        return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
+
     if kind == "rs":
         fn, args = row_parallel, (_ints((4 * W, 8), r), _ints((8, 6), 9))
+    elif kind == "ag_B_gathered_after":
+        fn, args = b_gathered_after, (_ints((4 * W, 4), r), 10 * _ints((4, 4 * W), 50 + r))
     else:  # a [13, 10] fp32 shard: 520 bytes, the size of an agreement message
         fn, args = col_parallel_last, (_ints((13, 10), r), _ints((10 * W, 6), 9))
     eager = fn(*args)[0]
@@ -78,6 +87,14 @@ def test_ranks_that_fuse_differently_compute_the_same_values(plain2, kind):
     fused = plain2.run(_divergent, kind, timeout_s=TIMEOUT_S)
     # The case is what it says: rank 0 left its collective alone, rank 1 fused it.
     assert fused == [0, 1], fused
+
+
+def test_a_collective_never_moves_above_the_gather(plain2):
+    """Found by a hostile review: fusing moved what B depends on above A's gather, B's own
+    all-gather included; with one rank fusing, the ranks' gathers paired crosswise (silently
+    wrong values). The pass now leaves such a gather alone on every rank."""
+    fused = plain2.run(_divergent, "ag_B_gathered_after", timeout_s=TIMEOUT_S)
+    assert fused == [0, 0], fused
 
 
 def _group_timeout():

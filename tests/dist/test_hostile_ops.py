@@ -290,3 +290,78 @@ def test_a_dtype_gloo_cannot_sum_is_reduced_in_fp32(hostile2):
     """float8_e4m3fnuz passed the checks, then gloo raised "Invalid scalar type", reported as a
     timeout, and the group was marked broken for a valid call."""
     hostile2.run(_fnuz_reduce_scatter, SEED, timeout_s=TIMEOUT_S)
+
+
+# -- a call rejected on one rank, agreement off (the default) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain2():
+    """Default agreement (off); MPTP_TIMEOUT_S bounds a regression to a timeout, not a hang."""
+    w = Workers(2, env={"MPTP_TIMEOUT_S": "20", "MPTP_CHECK_AGREEMENT": ""})
+    yield w
+    w.close()
+
+
+def _rejected_on_one_rank(seed, op, bad_ranks):
+    """Two calls per rank; in the first, `bad_ranks` pass a bad argument. Returns per call the
+    outcome: ("ok", max error vs float64) or (exception type, message)."""
+    g, r, W = _sub(), dist.get_rank(), dist.get_world_size()
+    FP8 = torch.float8_e4m3fn
+    out = []
+    for call in (1, 2):
+        bad = call == 1 and r in bad_ranks
+        shards = [randn((4, 8), seed + 10 * call + p) for p in range(W)]
+        B = randn((8, 6), seed + 100 + call)
+        A_full = torch.cat(shards)
+        try:
+            if op == "ag":
+                Bc = randn((7, 6), seed) if bad else B  # bad: K 7, A has K 8
+                A_got, (C,) = torch.ops.mptp.fused_all_gather_matmul(shards[r], [Bc], 0, g.group_name)
+                err = max((A_got.double() - A_full.double()).abs().max().item(),
+                          (C.double() - A_full.double() @ B.double()).abs().max().item())  # fmt: skip
+            elif op == "ag_scaled_row":
+                A8 = [s.to(FP8) for s in shards]
+                sa = [randn((4, 1), seed + 500 + p).abs() + 0.5 for p in range(W)]
+                B8 = B.to(FP8).t().contiguous().t()
+                sb = (randn((1, 6), seed + 600).abs() + 0.5).to(torch.float64 if bad else torch.float32)  # bad: fp64
+                A_got, (C,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
+                    A8[r], [B8], sa[r], [sb], 0, g.group_name, [None], [None], [torch.float32], [False])  # fmt: skip
+                ref = (torch.cat(A8).double() * torch.cat(sa).double()) @ (B8.double() * sb.double())
+                err = (C.double() - ref).abs().max().item() / ref.abs().max().item()
+            else:  # "rs": rank p's partial is shards[p] @ B; rank r gets rows 2r, 2r + 1 of their sum
+                Bc = randn((7, 6), seed) if bad else B
+                C = torch.ops.mptp.fused_matmul_reduce_scatter(shards[r], Bc, "sum", 0, g.group_name)
+                ref = sum(s.double() @ B.double() for s in shards)[2 * r : 2 * r + 2]
+                err = (C.double() - ref).abs().max().item() if not C.isnan().all() else float("nan")
+            out.append(("ok", err))
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test asserts
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+@pytest.mark.parametrize("op", ["ag", "ag_scaled_row", "rs"])
+def test_a_call_rejected_on_one_rank_keeps_the_ranks_in_step(plain2, op):
+    """Found by a hostile review: without the agreement check, a rank that rejected its call
+    raised before the collective; its peer's collective then paired with that rank's next call
+    (both returned silently wrong values) or waited for the group's timeout. Now the rejecting
+    rank takes part in its peers' collectives first: an all-gather peer gets the right result
+    (as with PyTorch's fallback), a reduce-scatter peer gets NaN (no plausible wrong value),
+    and the next call is right on every rank."""
+    res = plain2.run(_rejected_on_one_rank, SEED, op, (1,), timeout_s=TIMEOUT_S)
+    (ok0, e0), (bad1, msg1) = res[0][0], res[1][0]
+    assert bad1 == "ValueError" and ("Bs" in msg1 or "B" in msg1 or "scale" in msg1), res
+    assert ok0 == "ok", res
+    if op == "rs":
+        assert e0 != e0, f"rank 0 got a value, not NaN: {res}"  # NaN
+    else:
+        assert e0 < (1e-5 if op == "ag" else 1e-2), res
+    for rank_res in res:  # the second call: right on every rank
+        kind, err = rank_res[1]
+        assert kind == "ok" and err < (1e-5 if op != "ag_scaled_row" else 1e-2), res
+
+
+def test_a_call_rejected_on_every_rank_raises_everywhere_and_stays_in_step(plain2):
+    res = plain2.run(_rejected_on_one_rank, SEED, "ag", (0, 1), timeout_s=TIMEOUT_S)
+    assert [x[0][0] for x in res] == ["ValueError", "ValueError"], res
+    assert all(x[1][0] == "ok" and x[1][1] < 1e-5 for x in res), res
