@@ -198,8 +198,13 @@ def _link(ws, device, W: int, capturing: bool) -> cost.Link:
         from . import fused
 
         reserve = sms - fused._consumer_sms(ws, device)
-    return cost.Link(W, sms, torch.cuda.get_device_capability(device), shares, reserve,
-                     symm_reference=ws is not None)  # fmt: skip
+    return cost.Link(W, sms, _capability(device.index if device.index is not None else torch.cuda.current_device()),
+                     shares, reserve, symm_reference=ws is not None)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
 
 
 def _cuda_transport(group_name: str):
