@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU test groups (scripts/gpu_tests.sh), then the real ops in loopback
-# (default dispatch, M = 8192) and the loopback host-cost profile. Everything is packed into
+# (default dispatch, M = 8192), the loopback host-cost profile and the cost model's check. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files); summaries go to stdout.
 # Usage (device): GROUP_A=... GROUP_B=... GROUP_C=... BENCH=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -17,5 +17,8 @@ if [ "${BENCH:-1}" = 1 ]; then
   done
   timeout ${PROFILE_TIMEOUT:-90} python3 bench/profile_loopback.py --calls 200 > "$OUT/bench/profile_loopback.txt" 2>&1
   head -8 "$OUT/bench/profile_loopback.txt"
+  # The dispatcher's cost model against both forced paths (eager and graph), per shape.
+  MPTP_RESULTS_DIR="$OUT/bench" timeout ${COST_TIMEOUT:-240} python3 bench/check_cost_model.py 2>&1 \
+    | grep -v "^\[rank" | tee "$OUT/bench/cost_model.txt" | tail -20
 fi
 (cd "$OUT" && tar czf /tmp/all.tgz . && find . -type f -delete && mv /tmp/all.tgz all.tgz)
