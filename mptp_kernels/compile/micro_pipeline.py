@@ -338,15 +338,22 @@ def _order_sensitive(n: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
 
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "mptp", "symm_mem", "_dtensor")
+# Namespaces of ops known to compute locally (no communication); a wait only waits for a
+# collective already issued, so moving it pairs nothing.
+_LOCAL_NAMESPACES = ("aten", "prims", "inductor", "quantized_decomposed")
 
 
 def _is_collective(n: fx.Node) -> bool:
-    """Whether n issues a collective (a wait only waits for one: moving it pairs nothing)."""
+    """Whether n may issue a collective: anything but a known local op. NOTE: deliberately wide:
+    a custom op (vllm::all_reduce, a user's op calling dist.*) or a higher-order op
+    (auto_functionalized around one) may communicate, and nothing in the graph says it does not."""
     t = n.target
-    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+    if n.op != "call_function" or t is operator.getitem:
         return False
-    return t.namespace in _COLLECTIVE_NAMESPACES and t._schema.name.split("::")[-1] != "wait_tensor"
+    if isinstance(t, torch._ops.OpOverload):
+        return t.namespace not in _LOCAL_NAMESPACES and t._schema.name.split("::")[-1] != "wait_tensor"
+    # Python-level size arithmetic (operator.*, math.*, torch.sym_*) is local.
+    return getattr(t, "__module__", "") not in ("_operator", "operator", "math", "builtins", "torch")
 
 
 def _check_raisable(anchor: fx.Node, nodes: set) -> None:
@@ -362,8 +369,8 @@ def _check_raisable(anchor: fx.Node, nodes: set) -> None:
             after = True
         elif after and n in nodes and _is_collective(n):
             raise _Reject(
-                f"{n.name} ({n.target}) would have to move above the collective: collectives "
-                "must keep their order on every rank"
+                f"{n.name} ({n.target}) would have to move above the collective, and it may "
+                "communicate itself: collectives must keep their order on every rank"
             )
         elif after and n.op == "call_function" and _order_sensitive(n):
             if n not in nodes:

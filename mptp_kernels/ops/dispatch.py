@@ -5,10 +5,11 @@ Per call, on every rank:
   2. where the group has an mptp workspace (CUDA, extension built, group enabled,
      ranks on one host): exchange the call's signature and local decisions
      through the workspace's host rendezvous; elsewhere, with MPTP_CHECK_AGREEMENT=1,
-     with one small collective (off by default: the reference path then sends exactly
-     the unfused ops' collectives, so a rank running the op pairs with a peer whose
-     compiled graph runs the plain collective). Every rank then raises the same
-     ValueError if any rank rejected its inputs or the calls disagree;
+     with one small collective (by default on gloo, for calls from eager code; off for
+     calls from compiled graphs, whose collectives must be exactly the unfused ops' so that
+     a rank running the op pairs with a peer whose graph runs the plain collective, and on
+     NCCL). Every rank then raises the same ValueError if any rank rejected its inputs or
+     the calls disagree;
   3. decide fused or reference from what every rank published (fused only if
      every rank's call qualifies; workspace grown to the largest need), so the
      decision is identical on every rank by construction;
@@ -22,6 +23,7 @@ CUDA tensors) and logged once per reason under MPTP_LOG=1.
 import contextlib
 import functools
 import math
+import sys
 import threading
 from collections import Counter
 
@@ -223,7 +225,27 @@ def _check_agreement(group_name: str, is_cuda: bool) -> bool:
         return False
     if backend == "fake":  # a fake group moves no data: there is nothing to agree with
         return False
-    return env.check_agreement(nccl=is_cuda and "nccl" in backend)
+    return env.check_agreement(nccl=is_cuda and "nccl" in backend, compiled=_from_compiled_code())
+
+
+def _from_compiled_code(depth: int = 48) -> bool:
+    """Whether this op call comes from code Inductor generated (a compiled graph, where the
+    pass may have put the op on some ranks only): a frame of the call stack runs a module
+    under Inductor's cache directory."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        root = cache_dir()
+    except Exception:  # noqa: BLE001 - no Inductor: no compiled code either
+        return False
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_filename.startswith(root):
+            return True
+        f = f.f_back
+    return False
 
 
 def _count(name: str, path: str, A) -> None:
@@ -367,8 +389,6 @@ def _run(name: str, *args, **kwargs):
 
             ws = P.get_workspace(group_name, need, A.device)  # every rank grows: same max
     elif local_err is not None:
-        if W > 1:
-            _participate(name, args, W, group_name, is_cuda, what, local_err)
         raise local_err
 
     if runner is not None:
@@ -385,68 +405,6 @@ def _run(name: str, *args, **kwargs):
                  getattr(tr, "name", "functional collectives"))  # fmt: skip
     with _guard(ws, what), transport.using(tr, what):
         return ref_fn(*args, **kwargs)
-
-
-def _participate(name: str, args, W: int, group_name: str, is_cuda: bool, what: str, err: Exception) -> None:
-    """A call this rank rejected, on a group where the ranks do not check agreement: run the
-    collectives its peers' valid calls run, before raising, so that the ranks stay in step.
-
-    Without it the peers' collective paired with this rank's next call (silently wrong values on
-    both) or waited for the group's timeout. All-gather-matmul: A (and a row-wise sharded
-    A_scale) is gathered as the unfused op would, so the peers get the right result (as with
-    PyTorch's fallback, whose matmul raises after its all-gather). Matmul-reduce-scatter: a NaN
-    partial of the output's shape and dtype, so the peers' results are NaN, never a plausible
-    wrong value. Done only where the collectives follow from this rank's arguments alone (else
-    this rank raises at once, as before): ranks that make the same bad call all take part, or
-    all do not."""
-    A = args[0]
-    try:
-        validate._check_A(A)
-        if name in ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul"):
-            scaled = name == "fused_all_gather_scaled_matmul"
-            gd = validate.norm_dim(args[4 if scaled else 2], A.dim(), "gather_dim")
-            sends = [A]
-            if scaled:
-                A_scale = args[2]
-                if not isinstance(A_scale, torch.Tensor):
-                    return
-                if validate.scale_mode(A, A_scale, gd, W) == validate.ScaleMode.ROW_WISE_SHARDED:
-                    sends.append(A_scale)
-
-            def collectives():
-                for t in sends:
-                    reference.all_gather(t, W, group_name)
-
-        else:
-            scaled = name == "fused_scaled_matmul_reduce_scatter"
-            B = args[1]
-            if not isinstance(B, torch.Tensor) or B.dim() != 2:
-                return
-            out_shape = [*A.shape[:-1], B.shape[1]]
-            sd_arg, dtype = args[5 if scaled else 3], A.dtype
-            if scaled:
-                if args[8] is not None:
-                    out_shape = [int(d) for d in args[8]]
-                dtype = validate.scaled_out_dtype(args[11]) or A.dtype
-            sd = validate.norm_dim(sd_arg, len(out_shape), "scatter_dim")
-            validate.check_divisible(out_shape, sd, W, "scatter_dim")
-            if not dtype.is_floating_point:  # no NaN to send: a zero partial would look plausible
-                return
-            nan = torch.full(out_shape, float("nan"), device=A.device).to(dtype)
-
-            def collectives():
-                reference.reduce_scatter(nan, "sum", sd, W, group_name)
-
-    except (ValueError, TypeError, IndexError, RuntimeError):
-        return  # the collectives do not follow from this call: raise at once
-    tr = _cuda_transport(group_name) if is_cuda else None
-    env.log_once((name, "participate"), "%s: this rank's call is rejected (%s); it takes part in the "
-                 "collectives of its peers' calls, then raises", name, err)  # fmt: skip
-    try:
-        with transport.using(tr, what):
-            collectives()
-    except Exception as e:  # noqa: BLE001 - the rejection is the error to report
-        raise err from e
 
 
 @contextlib.contextmanager

@@ -584,3 +584,32 @@ def test_fused_reduce_scatter_is_issued_where_the_reduce_scatter_was(fake4):
     gm = _trace(waited_after_another, torch.randn(16, 8), torch.randn(8, 4), torch.randn(16, 4))
     assert _run_pass(gm) == 1
     assert _issue_order(gm) == [mptp.fused_matmul_reduce_scatter.default, c10d.reduce_scatter_tensor.default]
+
+
+@torch.library.custom_op("mptp_test::maybe_communicates", mutates_args=())
+def _maybe_communicates(x: torch.Tensor) -> torch.Tensor:
+    """Stands for a custom op that may run a collective (vllm::all_reduce, a user's dist.* op)."""
+    return x.clone()
+
+
+@_maybe_communicates.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_a_custom_op_B_depends_on_never_moves_above_the_gather(fake4, before):
+    """Found by a hostile review: only known collective namespaces were kept in place, so a custom
+    op that communicates moved above the gather on the rank that fused (a deadlock with a rank
+    that did not). Any op not known to compute locally now stays where it is."""
+
+    def f(shard, w):
+        if before:
+            B = torch.ops.mptp_test.maybe_communicates(w)
+        A = _ag(shard, W4, fake4)
+        if not before:
+            B = torch.ops.mptp_test.maybe_communicates(w)
+        return torch.mm(A, B)
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
+    assert _run_pass(gm) == (1 if before else 0)

@@ -12,8 +12,10 @@ one-element 3-D scale broke the reference after the gather; complex "avg" failed
 communicating; two threads interleaved their calls' collectives.
 
 Cases that leave a group out of step run on a fresh subgroup of their own. The agreement
-check is opt-in (MPTP_CHECK_AGREEMENT=1): without it the reference path sends exactly the
-collectives of the unfused ops, and behaves as they do (tests/compile/test_rank_divergent.py).
+check is on by default for eager calls on gloo, and set here explicitly
+(MPTP_CHECK_AGREEMENT=1); without it (calls from compiled graphs, NCCL) the reference path sends
+exactly the collectives of the unfused ops, and behaves as they do
+(tests/compile/test_rank_divergent.py).
 """
 
 import os
@@ -297,7 +299,7 @@ def test_a_dtype_gloo_cannot_sum_is_reduced_in_fp32(hostile2):
 
 @pytest.fixture(scope="module")
 def plain2():
-    """Default agreement (off); MPTP_TIMEOUT_S bounds a regression to a timeout, not a hang."""
+    """Default agreement setting (auto); MPTP_TIMEOUT_S bounds a regression to a timeout, not a hang."""
     w = Workers(2, env={"MPTP_TIMEOUT_S": "20", "MPTP_CHECK_AGREEMENT": ""})
     yield w
     w.close()
@@ -341,21 +343,15 @@ def _rejected_on_one_rank(seed, op, bad_ranks):
 
 
 @pytest.mark.parametrize("op", ["ag", "ag_scaled_row", "rs"])
-def test_a_call_rejected_on_one_rank_keeps_the_ranks_in_step(plain2, op):
-    """Found by a hostile review: without the agreement check, a rank that rejected its call
+def test_a_call_rejected_on_one_rank_raises_everywhere_by_default(plain2, op):
+    """Found by a hostile review: with the agreement check off, a rank that rejected its call
     raised before the collective; its peer's collective then paired with that rank's next call
-    (both returned silently wrong values) or waited for the group's timeout. Now the rejecting
-    rank takes part in its peers' collectives first: an all-gather peer gets the right result
-    (as with PyTorch's fallback), a reduce-scatter peer gets NaN (no plausible wrong value),
-    and the next call is right on every rank."""
+    (both returned silently wrong values) or waited for the group's timeout. Eager calls on gloo
+    now check agreement by default: every rank raises, and the next call is right everywhere."""
     res = plain2.run(_rejected_on_one_rank, SEED, op, (1,), timeout_s=TIMEOUT_S)
-    (ok0, e0), (bad1, msg1) = res[0][0], res[1][0]
-    assert bad1 == "ValueError" and ("Bs" in msg1 or "B" in msg1 or "scale" in msg1), res
-    assert ok0 == "ok", res
-    if op == "rs":
-        assert e0 != e0, f"rank 0 got a value, not NaN: {res}"  # NaN
-    else:
-        assert e0 < (1e-5 if op == "ag" else 1e-2), res
+    (kind0, msg0), (kind1, msg1) = res[0][0], res[1][0]
+    assert kind1 == "ValueError" and ("B" in msg1 or "scale" in msg1), res
+    assert kind0 == "ValueError" and "rank 1" in msg0, res
     for rank_res in res:  # the second call: right on every rank
         kind, err = rank_res[1]
         assert kind == "ok" and err < (1e-5 if op != "ag_scaled_row" else 1e-2), res

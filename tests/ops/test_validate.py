@@ -182,11 +182,11 @@ def test_the_consumer_leaves_sms_to_copies_that_may_need_them(monkeypatch, share
     assert fused._consumer_sms(ws, torch.device("cuda", 0)) == want
 
 
-@pytest.mark.parametrize("value,gloo,nccl", [(None, False, False), ("auto", False, False), ("1", True, True),
+@pytest.mark.parametrize("value,gloo,nccl", [(None, True, False), ("auto", True, False), ("1", True, True),
                                              ("0", False, False), ("maybe", None, None)])  # fmt: skip
-def test_check_agreement_is_opt_in(monkeypatch, value, gloo, nccl):
-    # Off by default: the check is one collective more than the unfused ops make, and the pass
-    # may fuse on one rank only (tests/compile/test_rank_divergent.py).
+def test_check_agreement_default_is_eager_gloo_only(monkeypatch, value, gloo, nccl):
+    # auto: on for eager calls on gloo; off on NCCL (a stream sync) and for calls from a compiled
+    # graph (the pass may fuse on one rank only: tests/compile/test_rank_divergent.py).
     from mptp_kernels import env
 
     if value is None:
@@ -198,6 +198,7 @@ def test_check_agreement_is_opt_in(monkeypatch, value, gloo, nccl):
             env.check_agreement(nccl=False)
         return
     assert env.check_agreement(nccl=False) is gloo and env.check_agreement(nccl=True) is nccl
+    assert env.check_agreement(nccl=False, compiled=True) is (value == "1")
 
 
 def test_workspace_calls_are_ordered_and_a_failure_marks_it_broken(monkeypatch):
