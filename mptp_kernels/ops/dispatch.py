@@ -354,8 +354,11 @@ def _run(name: str, *args, **kwargs):
     if ws is None and runner is not None and W > 1:
         runner, why = None, ws_why
     if runner is not None and not env.force_fused():
-        capturing = torch.cuda.is_current_stream_capturing()
-        fuse, cost_why = cost.prefer_fused(runner.work, _link(ws, A.device, W, capturing), capturing)
+        try:
+            capturing = torch.cuda.is_current_stream_capturing()
+            fuse, cost_why = cost.prefer_fused(runner.work, _link(ws, A.device, W, capturing), capturing)
+        except Exception as e:  # noqa: BLE001 - raised here, on one rank only, it would leave the peers waiting
+            fuse, cost_why = False, f"the cost model failed ({type(e).__name__}: {e})"
         if not fuse:
             runner, why = None, cost_why
     call.fusable = runner is not None
