@@ -314,3 +314,37 @@ def test_cpu_scaled_reference_with_k_0_is_the_bias(bias):
     for _ in range(3):
         out = reference.scaled_mm(A, B, torch.tensor(0.5), torch.tensor(0.5), bias=b, out_dtype=torch.float32)
         assert torch.equal(out, b.expand(64, 32) if bias else torch.zeros(64, 32))
+
+
+_SEEN = []
+
+
+@torch.library.custom_op("mptp_test::where_called", mutates_args=())
+def _where_called(x: torch.Tensor) -> torch.Tensor:
+    from mptp_kernels.ops import dispatch
+
+    _SEEN.append(dispatch._from_compiled_code())
+    return x.clone()
+
+
+@_where_called.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_calls_from_inductor_code_are_told_apart(backend):
+    """The agreement default (auto) depends on it: on for eager calls, off for calls from
+    Inductor's generated code (only there can the pass have fused on some ranks only)."""
+    fn = lambda x: torch.ops.mptp_test.where_called(x) * 2  # noqa: E731
+    if backend is not None:
+        torch._dynamo.reset()
+        fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+        with torch._inductor.config.patch(fast):
+            fn = torch.compile(fn, backend=backend, fullgraph=True)
+            _SEEN.clear()
+            fn(torch.ones(3))
+    else:
+        _SEEN.clear()
+        fn(torch.ones(3))
+    assert _SEEN == [backend == "inductor"], _SEEN
