@@ -10,13 +10,12 @@ MPTP_LOG             1: log each fusion / fallback decision at INFO (default 0).
 MPTP_DISABLE_FUSED   1: always run the reference path (default 0).
 MPTP_FORCE_FUSED     1: skip the cost model (ops/cost.py) and fuse whenever possible (default 0).
 MPTP_CHECK_AGREEMENT on groups without an mptp workspace, check with one small collective
-                     per call that every rank makes the same call: 1 on; 0 off; "auto"
-                     (default) on for calls from eager code on gloo, off for calls from a
-                     compiled graph (its collectives stay exactly the unfused ops', so a
-                     rank whose graph runs the op interoperates with one whose graph runs
-                     the plain collective: torch.compile may fuse on one rank only) and on
-                     NCCL (reading the answer would synchronize the stream). Groups with a
-                     workspace always check, through shared memory.
+                     per call that every rank makes the same call: 1 on; 0 or "auto"
+                     (default) off: the reference path then sends exactly the collectives
+                     of the unfused ops, so a rank that runs the op interoperates with one
+                     that runs the plain collective (torch.compile may fuse on one rank
+                     only: the graphs of the ranks may differ). Groups with a workspace
+                     always check, through shared memory.
 MPTP_ASYNC_ERROR_HANDLING  what the watchdog does after a timed-out wait: 0 the next
                      call raises; 1 abort at once; 2 (default) the next call raises,
                      and the process aborts if none did within MPTP_TIMEOUT_S.
@@ -127,17 +126,17 @@ def timeout_source() -> str:
     return "the process group's timeout; MPTP_TIMEOUT_S overrides"
 
 
-def check_agreement(nccl: bool, compiled: bool = False) -> bool:
+def check_agreement(nccl: bool) -> bool:
     """Whether a call on a group without a workspace checks agreement with one collective.
 
-    MPTP_CHECK_AGREEMENT=1: always; 0: never; auto (default): for calls from eager code on
-    gloo. Not for calls from a compiled graph (the check is one collective more than the
-    unfused ops make, and the pass decides per rank, from that rank's graph: a rank whose graph
-    runs the op would pair the check with a peer's plain collective), nor on NCCL (`nccl`: CUDA
-    tensors, where reading the answer synchronizes the stream)."""
+    Off unless MPTP_CHECK_AGREEMENT=1: the check is one collective more than the unfused ops
+    make, so a rank whose compiled graph runs the op would pair it with a peer's plain
+    collective (the pass decides per rank, from that rank's graph). `nccl` (CUDA tensors on
+    NCCL: reading the answer synchronizes the stream) does not change the answer."""
+    del nccl
     raw = os.environ.get("MPTP_CHECK_AGREEMENT", "auto").strip().lower()
     if raw in ("", "auto"):
-        return not nccl and not compiled
+        return False
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):

@@ -611,8 +611,20 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     return _AllGather(ag, wait, res, shard, gather_dim, group_name, nodes, view_dtype)
 
 
+def _cpp_wrapper() -> bool:
+    """Whether Inductor will call the graph's ops from its C++ wrapper (cpp_wrapper, AOTInductor)."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    return bool(getattr(config, "cpp_wrapper", False) or getattr(V, "aot_compilation", False))
+
+
 def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
     """Rewrites one matched all-gather; returns the op it became or raises _Reject."""
+    if _cpp_wrapper():
+        # NOTE: found by a hostile review: the C++ wrapper's fallback kernels return tensors only;
+        # an all-gather-matmul returns a list (the graph failed to compile on the fusing rank).
+        raise _Reject("Inductor's C++ wrapper (cpp_wrapper, AOTInductor) cannot call an op returning a list")
     shard_val, res_val = _tval(m.shard), _tval(m.res)
     last = m.gather_dim == res_val.dim() - 1
     _check_group(m.group_name, _arg(m.ag, 1, "group_size"))

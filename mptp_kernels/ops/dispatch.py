@@ -5,11 +5,10 @@ Per call, on every rank:
   2. where the group has an mptp workspace (CUDA, extension built, group enabled,
      ranks on one host): exchange the call's signature and local decisions
      through the workspace's host rendezvous; elsewhere, with MPTP_CHECK_AGREEMENT=1,
-     with one small collective (by default on gloo, for calls from eager code; off for
-     calls from compiled graphs, whose collectives must be exactly the unfused ops' so that
-     a rank running the op pairs with a peer whose graph runs the plain collective, and on
-     NCCL). Every rank then raises the same ValueError if any rank rejected its inputs or
-     the calls disagree;
+     with one small collective (off by default: the reference path then sends exactly
+     the unfused ops' collectives, so a rank running the op pairs with a peer whose
+     compiled graph runs the plain collective). Every rank then raises the same
+     ValueError if any rank rejected its inputs or the calls disagree;
   3. decide fused or reference from what every rank published (fused only if
      every rank's call qualifies; workspace grown to the largest need), so the
      decision is identical on every rank by construction;
@@ -23,7 +22,6 @@ CUDA tensors) and logged once per reason under MPTP_LOG=1.
 import contextlib
 import functools
 import math
-import sys
 import threading
 from collections import Counter
 
@@ -225,29 +223,7 @@ def _check_agreement(group_name: str, is_cuda: bool) -> bool:
         return False
     if backend == "fake":  # a fake group moves no data: there is nothing to agree with
         return False
-    return env.check_agreement(nccl=is_cuda and "nccl" in backend, compiled=_from_compiled_code())
-
-
-def _from_compiled_code(depth: int = 48) -> bool:
-    """Whether this op call comes from code Inductor generated (a compiled graph, where the
-    pass may have put the op on some ranks only): a frame of the call stack runs a module
-    under Inductor's cache directory."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        root = cache_dir()
-    except Exception:  # noqa: BLE001 - another torch's layout: the wrapper's function still tells
-        root = "\0"  # (matches no file name)
-    f = sys._getframe(1)
-    for _ in range(depth):
-        if f is None:
-            return False
-        # (or a module with the function Inductor's Python wrapper always defines: the cache
-        # directory may have been moved since the graph was compiled)
-        if f.f_code.co_filename.startswith(root) or "benchmark_compiled_module" in f.f_globals:
-            return True
-        f = f.f_back
-    return False
+    return env.check_agreement(nccl=is_cuda and "nccl" in backend)
 
 
 def _count(name: str, path: str, A) -> None:

@@ -613,3 +613,17 @@ def test_a_custom_op_B_depends_on_never_moves_above_the_gather(fake4, before):
 
     gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4))
     assert _run_pass(gm) == (1 if before else 0)
+
+
+def test_cpp_wrapper_leaves_all_gathers_alone(fake4):
+    """Found by a hostile review: under cpp_wrapper the graph with a fused all-gather-matmul failed
+    to compile (its C++ fallback kernels return tensors only, the op a list). The all-gather stays
+    unfused there; the reduce-scatter (one tensor) still fuses."""
+
+    def f(shard, B, x, w):
+        return torch.mm(_ag(shard, W4, fake4), B), _rs(x @ w, W4, fake4)
+
+    gm = _trace(f, torch.randn(8, 16), torch.randn(16, 4), torch.randn(16, 8), torch.randn(8, 4))
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        assert _run_pass(gm) == 1
+    assert _fused(gm, mptp.fused_matmul_reduce_scatter) and not _fused(gm, mptp.fused_all_gather_matmul)

@@ -12,10 +12,8 @@ one-element 3-D scale broke the reference after the gather; complex "avg" failed
 communicating; two threads interleaved their calls' collectives.
 
 Cases that leave a group out of step run on a fresh subgroup of their own. The agreement
-check is on by default for eager calls on gloo, and set here explicitly
-(MPTP_CHECK_AGREEMENT=1); without it (calls from compiled graphs, NCCL) the reference path sends
-exactly the collectives of the unfused ops, and behaves as they do
-(tests/compile/test_rank_divergent.py).
+check is opt-in (MPTP_CHECK_AGREEMENT=1): without it the reference path sends exactly the
+collectives of the unfused ops, and behaves as they do (tests/compile/test_rank_divergent.py).
 """
 
 import os
@@ -294,12 +292,12 @@ def test_a_dtype_gloo_cannot_sum_is_reduced_in_fp32(hostile2):
     hostile2.run(_fnuz_reduce_scatter, SEED, timeout_s=TIMEOUT_S)
 
 
-# -- a call rejected on one rank, agreement off (the default) --------------------------------------
+# -- a call rejected on one rank ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def plain2():
-    """Default agreement setting (auto); MPTP_TIMEOUT_S bounds a regression to a timeout, not a hang."""
+    """Agreement off (the default); MPTP_TIMEOUT_S bounds a regression to a timeout, not a hang."""
     w = Workers(2, env={"MPTP_TIMEOUT_S": "20", "MPTP_CHECK_AGREEMENT": ""})
     yield w
     w.close()
@@ -343,12 +341,12 @@ def _rejected_on_one_rank(seed, op, bad_ranks):
 
 
 @pytest.mark.parametrize("op", ["ag", "ag_scaled_row", "rs"])
-def test_a_call_rejected_on_one_rank_raises_everywhere_by_default(plain2, op):
-    """Found by a hostile review: with the agreement check off, a rank that rejected its call
-    raised before the collective; its peer's collective then paired with that rank's next call
-    (both returned silently wrong values) or waited for the group's timeout. Eager calls on gloo
-    now check agreement by default: every rank raises, and the next call is right everywhere."""
-    res = plain2.run(_rejected_on_one_rank, SEED, op, (1,), timeout_s=TIMEOUT_S)
+def test_a_call_rejected_on_one_rank_raises_everywhere_with_the_check(hostile2, op):
+    """Found by a hostile review: with the agreement check off (the default), a rank that
+    rejected its call raised before the collective, and its peer's collective paired with that
+    rank's next call (silently wrong values on both). With MPTP_CHECK_AGREEMENT=1 every rank
+    raises and the next call is right everywhere (the README says to set it for this)."""
+    res = hostile2.run(_rejected_on_one_rank, SEED, op, (1,), timeout_s=TIMEOUT_S)
     (kind0, msg0), (kind1, msg1) = res[0][0], res[1][0]
     assert kind1 == "ValueError" and ("B" in msg1 or "scale" in msg1), res
     assert kind0 == "ValueError" and "rank 1" in msg0, res
