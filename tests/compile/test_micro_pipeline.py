@@ -553,26 +553,20 @@ def _issue_order(gm):
     ]
 
 
-def test_a_collective_B_depends_on_never_moves_above_the_gather(fake4):
-    def gathered_after(shard, wsh):
+@pytest.mark.parametrize("B_first", [False, True])
+def test_a_collective_B_depends_on_never_moves_above_the_gather(fake4, B_first):
+    """B gathered after A: fusing would move B's gather above A's, so the pass leaves it; B
+    gathered first: nothing moves, and A's gather fuses in place."""
+
+    def f(shard, wsh):
+        B = _ag(wsh, W4, fake4) if B_first else None
         A = _ag(shard, W4, fake4)
-        B = _ag(wsh, W4, fake4)
-        return torch.mm(A, B)
+        return torch.mm(A, B if B_first else _ag(wsh, W4, fake4))
 
-    gm = _trace(gathered_after, torch.randn(8, 16), torch.randn(4, 8))
-    assert _run_pass(gm) == 0
-    assert _issue_order(gm) == [c10d.all_gather_into_tensor.default] * 2
-
-
-def test_a_collective_B_depends_on_issued_before_the_gather_fuses(fake4):
-    def gathered_before(shard, wsh):
-        B = _ag(wsh, W4, fake4)
-        A = _ag(shard, W4, fake4)
-        return torch.mm(A, B)
-
-    gm = _trace(gathered_before, torch.randn(8, 16), torch.randn(4, 8))
-    assert _run_pass(gm) == 1
-    assert _issue_order(gm) == [c10d.all_gather_into_tensor.default, mptp.fused_all_gather_matmul.default]
+    gm = _trace(f, torch.randn(8, 16), torch.randn(4, 8))
+    assert _run_pass(gm) == int(B_first)
+    second = mptp.fused_all_gather_matmul.default if B_first else c10d.all_gather_into_tensor.default
+    assert _issue_order(gm) == [c10d.all_gather_into_tensor.default, second]
 
 
 def test_fused_reduce_scatter_is_issued_where_the_reduce_scatter_was(fake4):
