@@ -22,13 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_all_gather_matmul as ag_bench  # noqa: E402
 import bench_matmul_reduce_scatter as rs_bench  # noqa: E402
 from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, with_graphs  # noqa: E402
+from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 from mptp_kernels.ops import cost, dispatch  # noqa: E402
 from mptp_kernels.symm import primitives as P  # noqa: E402
 from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
 
-PATHS = {"fused": {"MPTP_FORCE_FUSED": "1", "MPTP_DISABLE_FUSED": "0"},
-         "reference": {"MPTP_FORCE_FUSED": "0", "MPTP_DISABLE_FUSED": "1"}}  # fmt: skip
+PATHS = dict(_PATHS)  # path -> the environment that makes the op take it
 
 
 def _on_path(fn, path):

@@ -70,13 +70,20 @@ def _sms_range(v):
     return 1 <= v <= 64
 
 
-def ce_copies_enabled() -> bool:
-    raw = os.environ.get("MPTP_CE_COPIES", "1").strip().lower()
+def _switch(name: str, default: str, auto: Optional[bool] = None) -> bool:
+    """An on/off variable: 1/true/yes/on or 0/false/no/off; with `auto`, also "auto" (and empty)."""
+    raw = os.environ.get(name, default).strip().lower()
+    if auto is not None and raw in ("", "auto"):
+        return auto
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"MPTP_CE_COPIES: expected 1 or 0, got {raw!r}")
+    raise ValueError(f"{name}: expected {'auto, ' if auto is not None else ''}1 or 0, got {raw!r}")
+
+
+def ce_copies_enabled() -> bool:
+    return _switch("MPTP_CE_COPIES", "1")
 
 
 def reserve_sms() -> int:
@@ -134,14 +141,7 @@ def check_agreement(nccl: bool) -> bool:
     collective (the pass decides per rank, from that rank's graph). `nccl` (CUDA tensors on
     NCCL: reading the answer synchronizes the stream) does not change the answer."""
     del nccl
-    raw = os.environ.get("MPTP_CHECK_AGREEMENT", "auto").strip().lower()
-    if raw in ("", "auto"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"MPTP_CHECK_AGREEMENT: expected auto, 1 or 0, got {raw!r}")
+    return _switch("MPTP_CHECK_AGREEMENT", "auto", auto=False)
 
 
 def async_error_handling() -> int:

@@ -65,7 +65,8 @@ REFERENCE_FIXED_US = {False: 15.0, True: 37.0}
 class Work:
     """One call's size: op "ag" (all-gather-matmul) or "rs" (matmul-reduce-scatter); M the rows
     of the whole product (gathered A's rows; the reduce-scatter's rows before the scatter), K,
-    N the columns of all Bs together, element sizes of A and of the output."""
+    N the columns of all Bs together, element sizes of A and of the output (the reduce-scatter's
+    partials; unused for the all-gather)."""
 
     op: str
     M: int

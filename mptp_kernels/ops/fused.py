@@ -212,8 +212,7 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
     if any(B.dtype != A.dtype for B in Bs):
         return None, "Bs dtypes differ from A's"
     K = A.shape[-1]
-    out_bytes = max(torch.empty((), dtype=d).element_size() for d in scaled_args[4]) if scaled_args else A.element_size()
-    work = cost.Work("ag", A.numel() // K * W, K, sum(B.shape[1] for B in Bs), A.element_size(), out_bytes,
+    work = cost.Work("ag", A.numel() // K * W, K, sum(B.shape[1] for B in Bs), A.element_size(), A.element_size(),
                      A.element_size() == 1)  # fmt: skip
     if ref is None:
         ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
@@ -317,8 +316,8 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
         return None, "B's dtype differs from A's"
     K = A.shape[-1]
     out_dtype = scaled_args[3] if scaled_args else A.dtype
-    work = cost.Work("rs", A.numel() // K, K, B.shape[1], A.element_size(),
-                     torch.empty((), dtype=out_dtype).element_size(), A.element_size() == 1)  # fmt: skip
+    work = cost.Work("rs", A.numel() // K, K, B.shape[1], A.element_size(), out_dtype.itemsize,
+                     A.element_size() == 1)  # fmt: skip
     return _runner(lambda ws: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args), work)
 
 

@@ -333,7 +333,7 @@ def _rejected_on_one_rank(seed, op, bad_ranks):
                 Bc = randn((7, 6), seed) if bad else B
                 C = torch.ops.mptp.fused_matmul_reduce_scatter(shards[r], Bc, "sum", 0, g.group_name)
                 ref = sum(s.double() @ B.double() for s in shards)[2 * r : 2 * r + 2]
-                err = (C.double() - ref).abs().max().item() if not C.isnan().all() else float("nan")
+                err = (C.double() - ref).abs().max().item()
             out.append(("ok", err))
         except Exception as e:  # noqa: BLE001 - the outcome is what the test asserts
             out.append((type(e).__name__, str(e)))

@@ -95,6 +95,25 @@ def test_fp8_out_dtypes_travel_through_the_dispatcher(pg1, fp8_out):
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("which", ["A_scale", "B_scale"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_scales_must_be_float32_in_every_mode(pg1, op, which, dtype):
+    """Found by a hostile review: tensor-wise scales of another dtype were accepted (the fused
+    path converts them), where torch._scaled_mm, and so the reference path, refuses them."""
+    A = (torch.randn(16, 32) / 4).to(FP8)
+    B = (torch.randn(32, 32) / 4).to(FP8).t()
+    sa = torch.tensor(1.0, dtype=dtype if which == "A_scale" else torch.float32)
+    sb = torch.tensor(1.0, dtype=dtype if which == "B_scale" else torch.float32)
+    with pytest.raises(ValueError, match="scales must be float32"):
+        if op == "ag":
+            torch.ops.mptp.fused_all_gather_scaled_matmul(A, [B], sa, [sb], 0, pg1, [None], [None],
+                                                          [torch.bfloat16], [False])  # fmt: skip
+        else:
+            torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, sa, sb, "sum", 0, 0, pg1, None, None, None,
+                                                              torch.bfloat16, False)  # fmt: skip
+
+
 def test_every_scalar_type_code_maps_to_its_dtype():
     from mptp_kernels.ops import validate
 
