@@ -1,0 +1,118 @@
+"""Where the host time of one fused call goes, without cProfile's distortion.
+
+    python bench/profile_stages.py [--W 8] [--calls 300]
+
+cProfile charges its own overhead to every Python call, so functions made of many small calls
+look several times dearer than they are. Here a handful of stage functions are wrapped with a
+perf_counter_ns timer (about 0.2 us each) and the real ops run on a loopback group (W simulated
+ranks on one GPU, M = 8192 N = 4096 K = 1792), back to back without synchronising. Printed per
+op call: the op's host time, then each stage's calls and inclusive microseconds.
+"""
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mptp_kernels  # noqa: E402,F401
+from mptp_kernels.kernels import launch as L  # noqa: E402
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
+from mptp_kernels.kernels import poison  # noqa: E402
+from mptp_kernels.ops import agreement, cost, dispatch, fused  # noqa: E402
+from mptp_kernels.symm import primitives as P  # noqa: E402
+from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
+
+TOTAL = defaultdict(int)
+CALLS = defaultdict(int)
+
+
+def _timed(name, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*a, **k)
+        finally:
+            TOTAL[name] += time.perf_counter_ns() - t
+            CALLS[name] += 1
+
+    return wrapper
+
+
+def _wrap_function(module, attr, name=None):
+    """Replaces module.attr, and every other mptp module's global bound to the same function."""
+    orig = getattr(module, attr)
+    new = _timed(name or f"{module.__name__.split('.')[-1]}.{attr}", orig)
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("mptp_kernels") and getattr(m, attr, None) is orig:
+            setattr(m, attr, new)
+
+
+def _wrap_method(cls, attr):
+    setattr(cls, attr, _timed(f"{cls.__name__}.{attr}", getattr(cls, attr)))
+
+
+STAGES = [
+    (dispatch, "_run"), (dispatch, "_normalize"), (dispatch, "describe"), (dispatch, "_workspace"),
+    (dispatch, "_link"), (cost, "prefer_fused"), (fused, "plan"), (agreement, "resolve"),
+    (dispatch.env, "host_timeout_s_or_default"), (P, "check_errors"), (fused, "_begin"),
+    (fused, "_ag_run"), (fused, "_rs_run"), (fused, "_reference_layout"), (fused, "_restride"),
+    (pm, "persistent_matmul"), (pm, "_launch_tma"), (L, "launch"), (poison, "poison_if_error"),
+    (P, "pull_chunks"), (P, "write_value"),
+]  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--W", type=int, default=8)
+    p.add_argument("--calls", type=int, default=300)
+    a = p.parse_args()
+    os.environ.update({"MPTP_FORCE_FUSED": "1", "MPTP_DISABLE_FUSED": "0"})
+    g = init_loopback_group(a.W)
+    M, N, K = 8192, 4096, 1792
+    A = torch.randn(M // a.W, K, device="cuda").bfloat16()
+    A_rs = torch.randn(M, K, device="cuda").bfloat16()
+    B = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
+    A8 = A.float().to(torch.float8_e4m3fn)
+    B8 = B.float().t().contiguous().to(torch.float8_e4m3fn).t()
+    sa = torch.rand(M // a.W, 1, device="cuda") + 0.5
+    sb = torch.rand(1, N, device="cuda") + 0.5
+    ops = {
+        "all_gather_matmul bf16": lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g),
+        "all_gather_scaled_matmul fp8 row": lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
+            A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
+        "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
+    }  # fmt: skip
+    for fn in ops.values():
+        fn()
+    mirror_loopback_buffers(g)
+    for module, attr in STAGES:
+        _wrap_function(module, attr)
+    for attr in ("put_signal", "wait_signal"):
+        _wrap_method(P.SymmetricMemory, attr)
+    print(f"host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, {a.calls} calls, fused path "
+          f"(torch {torch.__version__})")  # fmt: skip
+    for name, fn in ops.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        TOTAL.clear()
+        CALLS.clear()
+        t0 = time.perf_counter_ns()
+        for _ in range(a.calls):
+            fn()
+        t1 = time.perf_counter_ns()
+        torch.cuda.synchronize()
+        print(f"\n{name}: {(t1 - t0) / a.calls / 1e3:.1f} us per call (with the stage timers)")
+        for stage in sorted(TOTAL, key=TOTAL.get, reverse=True):
+            print(
+                f"  {stage:40s} {CALLS[stage] / a.calls:5.1f} calls {TOTAL[stage] / a.calls / 1e3:8.1f} us"
+            )
+
+
+if __name__ == "__main__":
+    main()
