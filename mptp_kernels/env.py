@@ -30,6 +30,7 @@ MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 
 import logging
 import os
+import weakref
 from typing import Optional
 
 logger = logging.getLogger("mptp_kernels")
@@ -94,18 +95,37 @@ def timeout_s() -> float:
     return _number("MPTP_TIMEOUT_S", "60", float, _timeout_range)
 
 
+_GROUP_TIMEOUTS = weakref.WeakKeyDictionary()  # pg -> {device: seconds or None}
+
+
 def group_timeout_s(pg, device: str = "cpu") -> Optional[float]:
-    """The process group's own timeout in seconds (init_process_group / new_group), or None."""
+    """The process group's own timeout in seconds (init_process_group / new_group), or None.
+
+    Looked up once per group and device (a backend lookup that fails raises from C++: hundreds of
+    microseconds per call, measured on the H200 host); a group's timeout is fixed when it is made.
+    """
+    try:
+        per_device = _GROUP_TIMEOUTS.get(pg)
+    except TypeError:  # not weakly referenceable: no cache
+        per_device = None
+    if per_device is not None and device in per_device:
+        return per_device[device]
     import torch
 
+    found = None
     for dev in dict.fromkeys((device, "cpu", "cuda")):
         try:
             t = pg._get_backend(torch.device(dev)).options._timeout.total_seconds()
         except Exception:  # noqa: BLE001 - no such backend (fake groups, another device type)
             continue
         if t > 0:
-            return t
-    return None
+            found = t
+            break
+    try:
+        _GROUP_TIMEOUTS.setdefault(pg, {})[device] = found
+    except TypeError:
+        pass
+    return found
 
 
 def host_timeout_s(pg=None, device: str = "cpu") -> float:

@@ -142,3 +142,31 @@ def test_mptp_timeout_s_overrides_the_group_timeout(monkeypatch, pg1):
     with pytest.raises(ValueError, match="MPTP_TIMEOUT_S"):
         env.host_timeout_s(pg)
     assert env.host_timeout_s_or_default(pg) == env.group_timeout_s(pg)
+
+
+def test_the_group_timeout_is_looked_up_once_per_group(pg1):
+    """env.group_timeout_s is on every fused call's path: cached per group and device, and a
+    new group with another timeout gets its own (a destroyed group's entry goes with it)."""
+    from mptp_kernels import env
+
+    pg = dist.new_group([0], timeout=datetime.timedelta(seconds=3))
+    assert env.group_timeout_s(pg) == 3.0
+    lookups = []
+    real = type(pg)._get_backend
+
+    def counting(self, dev):
+        lookups.append(dev)
+        return real(self, dev)
+
+    try:
+        type(pg)._get_backend = counting
+        assert env.group_timeout_s(pg) == 3.0 and env.group_timeout_s(pg, "cuda") is not None
+        n = len(lookups)
+        assert env.group_timeout_s(pg) == 3.0 and env.group_timeout_s(pg, "cuda") == 3.0
+        assert len(lookups) == n  # cached
+        other = dist.new_group([0], timeout=datetime.timedelta(seconds=5))
+        assert env.group_timeout_s(other) == 5.0
+    finally:
+        type(pg)._get_backend = real
+    dist.destroy_process_group(other)
+    dist.destroy_process_group(pg)
