@@ -10,6 +10,7 @@ op call: the op's host time, then each stage's calls and inclusive microseconds.
 """
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -18,15 +19,17 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 import mptp_kernels  # noqa: E402,F401
 from mptp_kernels.kernels import launch as L  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.kernels import poison  # noqa: E402
-from mptp_kernels.ops import agreement, cost, dispatch, fused  # noqa: E402
+from mptp_kernels.ops import agreement, cost, dispatch, fused, reference, transport  # noqa: E402
 from mptp_kernels.symm import primitives as P  # noqa: E402
 from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
 
+PATHS = dict(_PATHS)  # path -> the environment that makes the op take it
 TOTAL = defaultdict(int)
 CALLS = defaultdict(int)
 
@@ -62,7 +65,7 @@ STAGES = [
     (dispatch.env, "host_timeout_s_or_default"), (P, "check_errors"), (fused, "_begin"),
     (fused, "_ag_run"), (fused, "_rs_run"), (fused, "_reference_layout"), (fused, "_restride"),
     (pm, "persistent_matmul"), (pm, "_launch_tma"), (L, "launch"), (poison, "poison_if_error"),
-    (P, "pull_chunks"), (P, "write_value"),
+    (P, "pull_chunks"), (P, "write_value"), (reference, "all_gather"), (reference, "reduce_scatter"),
 ]  # fmt: skip
 
 
@@ -71,7 +74,6 @@ def main():
     p.add_argument("--W", type=int, default=8)
     p.add_argument("--calls", type=int, default=300)
     a = p.parse_args()
-    os.environ.update({"MPTP_FORCE_FUSED": "1", "MPTP_DISABLE_FUSED": "0"})
     g = init_loopback_group(a.W)
     M, N, K = 8192, 4096, 1792
     A = torch.randn(M // a.W, K, device="cuda").bfloat16()
@@ -87,6 +89,7 @@ def main():
             A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
         "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
     }  # fmt: skip
+    os.environ.update(PATHS["fused"])
     for fn in ops.values():
         fn()
     mirror_loopback_buffers(g)
@@ -94,9 +97,12 @@ def main():
         _wrap_function(module, attr)
     for attr in ("put_signal", "wait_signal"):
         _wrap_method(P.SymmetricMemory, attr)
-    print(f"host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, {a.calls} calls, fused path "
+    for attr in ("all_gather", "reduce_scatter"):
+        _wrap_method(transport.SymmTransport, attr)
+    print(f"host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, {a.calls} calls "
           f"(torch {torch.__version__})")  # fmt: skip
-    for name, fn in ops.items():
+    for (name, fn), path in itertools.product(ops.items(), ("fused", "reference")):
+        os.environ.update(PATHS[path])
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
@@ -107,7 +113,9 @@ def main():
             fn()
         t1 = time.perf_counter_ns()
         torch.cuda.synchronize()
-        print(f"\n{name}: {(t1 - t0) / a.calls / 1e3:.1f} us per call (with the stage timers)")
+        print(
+            f"\n{name}, {path} path: {(t1 - t0) / a.calls / 1e3:.1f} us per call (with the stage timers)"
+        )
         for stage in sorted(TOTAL, key=TOTAL.get, reverse=True):
             print(
                 f"  {stage:40s} {CALLS[stage] / a.calls:5.1f} calls {TOTAL[stage] / a.calls / 1e3:8.1f} us"
