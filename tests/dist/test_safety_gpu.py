@@ -203,7 +203,11 @@ def _stalled_peer(seed, op):
     A = randn((256, 256), seed + r).to("cuda", torch.bfloat16)
     Ar = randn((256 * W, 256), seed + 50 + r).to("cuda", torch.bfloat16)
     B = randn((256, 256), seed + 9, scale=1 / 16).to("cuda", torch.bfloat16)
-    call = (lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, _g())[1][0]) if op == "ag" else (
+    # All-gather: the gathered A and every output must be NaN (one launch poisons them all, at most
+    # 8 a launch: 9 Bs take two).
+    Bs = [B] * 9
+    call = (lambda: torch.cat([t.reshape(-1) for t in (lambda r: [r[0], *r[1]])(
+        torch.ops.mptp.fused_all_gather_matmul(A, Bs, 0, _g()))])) if op == "ag" else (
         lambda: torch.ops.mptp.fused_matmul_reduce_scatter(Ar, B, "sum", 0, _g()))  # fmt: skip
     call()
     torch.cuda.synchronize()
