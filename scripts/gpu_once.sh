@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call within a time budget (BUDGET_S, default 570): build; the GPU test groups in
+# parallel (GROUP_A/B/C, as scripts/gpu_tests.sh); then, one after another while time is left,
+# the host time per stage (profile_stages.py), the cost model's check (check_cost_model.py) and
+# the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
+# and what is left of the budget. Everything is packed into $OUT/all.tgz.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
+export PYTHONUNBUFFERED=1
+deadline=$(( $(date +%s) + ${BUDGET_S:-570} ))
+left() { local l=$(( deadline - $(date +%s) - 5 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+bash scripts/gpu_tests.sh
+step() {  # step NAME MAX_S LOG CMD...
+  local name=$1 max=$2 log=$3; shift 3
+  local t; t=$(left "$max")
+  if [ "$t" -lt 20 ]; then echo "== $name: skipped, no time left" | tee -a "$OUT/bench/steps.txt"; return; fi
+  echo "== $name (limit ${t}s)" | tee -a "$OUT/bench/steps.txt"
+  MPTP_RESULTS_DIR="$OUT/bench" timeout "$t" "$@" > "$OUT/bench/$log" 2>&1
+  echo "== $name: exit $?" | tee -a "$OUT/bench/steps.txt"
+}
+step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
+grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+step cost_model 220 cost_model.txt python3 bench/check_cost_model.py
+grep -v "^\[rank" "$OUT/bench/cost_model.txt" | tail -22
+cp bench/results/all_gather_matmul.csv bench/results/matmul_reduce_scatter.csv "$OUT/bench/" 2>/dev/null
+step ag_loopback 140 ag_loopback.txt python3 bench/bench_all_gather_matmul.py --mode loopback-op --Ms 8192
+step rs_loopback 100 rs_loopback.txt python3 bench/bench_matmul_reduce_scatter.py --mode loopback-op --Ms 8192
+grep -hv "^\[rank" "$OUT/bench/ag_loopback.txt" "$OUT/bench/rs_loopback.txt" | tail -30
+(cd "$OUT" && tar czf /tmp/all.tgz . && find . -type f -delete && mv /tmp/all.tgz all.tgz)
