@@ -73,60 +73,7 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
   expected[i] = target;
 }
 
-struct FinishArgs {
-  unsigned char* ptrs[kMaxFinish];
-  size_t bytes[kMaxFinish];
-  int n;
-  uint32_t* flags;
-  int nflags;
-  const ErrorRecord* err;
-};
-
-// One block: thread 0 reads the host-mapped record once (reads of it from many warps queue over
-// PCIe); the tensors are written only when it is set, 16 bytes per store where aligned.
-__global__ void finish_kernel(FinishArgs a) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = *reinterpret_cast<const volatile int32_t*>(&a.err->failed);
-  __syncthreads();
-  if (failed) {
-    for (int i = 0; i < a.n; ++i) {
-      unsigned char* p = a.ptrs[i];
-      size_t nb = a.bytes[i];
-      size_t head = (16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15;
-      if (head > nb) head = nb;
-      for (size_t j = threadIdx.x; j < head; j += blockDim.x) p[j] = 0xFF;
-      size_t vec = (nb - head) / 16;
-      uint4* q = reinterpret_cast<uint4*>(p + head);
-      const uint4 ones = make_uint4(~0u, ~0u, ~0u, ~0u);
-      for (size_t j = threadIdx.x; j < vec; j += blockDim.x) q[j] = ones;
-      for (size_t j = head + vec * 16 + threadIdx.x; j < nb; j += blockDim.x) p[j] = 0xFF;
-    }
-  }
-  if (threadIdx.x < a.nflags) a.flags[threadIdx.x] = 0;
-}
-
 }  // namespace
-
-int finish(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
-           int nflags, const void* err) {
-  MPTP_CHECK(n >= 0 && n <= kMaxFinish, "finish: n must be in [0, 8]");
-  MPTP_CHECK(nflags >= 0 && nflags <= 32 && (nflags == 0 || flags != nullptr),
-             "finish: nflags must be in [0, 32], with flags");
-  ErrorRecord *host, *dev;
-  MPTP_TRY(error_record(&host, &dev));
-  FinishArgs a{};
-  for (int i = 0; i < n; ++i) {
-    a.ptrs[i] = static_cast<unsigned char*>(ptrs[i]);
-    a.bytes[i] = bytes[i];
-  }
-  a.n = n;
-  a.flags = flags;
-  a.nflags = nflags;
-  a.err = err != nullptr ? static_cast<const ErrorRecord*>(err) : dev;
-  finish_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
-  MPTP_CUDA_CHECK(cudaGetLastError());
-  return 0;
-}
 
 int alloc(size_t bytes, void** ptr, size_t* granted) {
   size_t rounded = (bytes + kGranularity - 1) / kGranularity * kGranularity;

@@ -407,10 +407,10 @@ def default_error_record(device) -> torch.Tensor:
     return err
 
 
-def _poisoned(outs: List[torch.Tensor], mode: int, err: torch.Tensor, poison: bool = True) -> List[torch.Tensor]:
+def _poisoned(outs: List[torch.Tensor], mode: int, err: torch.Tensor) -> List[torch.Tensor]:
     """Consumer mode: every output becomes NaN if err[0] is set once the launch is done (a wait
-    of this launch or an earlier one of the process timed out). poison=False: the caller does it."""
-    if mode == MODE_CONSUMER and poison:
+    of this launch or an earlier one of the process timed out)."""
+    if mode == MODE_CONSUMER:
         for o in outs:
             poison_if_error(o, err)
     return outs
@@ -440,7 +440,6 @@ def persistent_matmul(
     kernel: str = "auto",
     result_scale: Optional[torch.Tensor] = None,
     tag: int = -1,
-    poison: bool = True,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -467,8 +466,6 @@ def persistent_matmul(
         result_scale: one-element float32, torch._scaled_mm's scale_result: applied to FP8
             outputs only (ignored for the others, as torch does), to every B of the call.
         tag: the op's tag (mptp_kernels.symm.register_tag) a timed-out consumer wait records.
-        poison: consumer mode: False leaves the NaN overwrite on error to the caller (the fused ops
-            do it for every output of a call in one launch, symm.primitives.finish).
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -525,7 +522,7 @@ def persistent_matmul(
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
                 result_scale if result_scale is not None else dummy_f, tag, fp8_out)
         if not auto:
-            return _poisoned(_launch_tma(*args), mode, err, poison)
+            return _poisoned(_launch_tma(*args), mode, err)
         # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
         # launch the consumer a second time.
         try:
@@ -537,7 +534,7 @@ def persistent_matmul(
             env.log_once(("tma", type(e).__name__), "persistent_matmul: TMA kernel unavailable (%s); "
                          "using the pointer kernel", e)  # fmt: skip
         else:
-            return _poisoned(launched, mode, err, poison)
+            return _poisoned(launched, mode, err)
     results = []
     for g in range(0, len(Bs), MAX_B):
         gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])
@@ -572,7 +569,7 @@ def persistent_matmul(
         )  # fmt: skip
         launch(_persistent_matmul_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results += gC
-    return _poisoned(results, mode, err, poison)
+    return _poisoned(results, mode, err)
 
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,

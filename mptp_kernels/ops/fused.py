@@ -21,7 +21,7 @@ workspace hands out one DONE credit per peer when it is created, so the first
 op (also one captured in a CUDA graph) waits like every later one.
 A timed-out wait poisons: once the consumer or the reduction is done, each output of the
 call is overwritten with NaN if the process's error record is set (one read of it per
-call: symm.primitives.finish, one launch that also resets the chunk flags), and the next call raises.
+output: kernels/poison.py), and the next call raises.
 """
 
 import functools
@@ -32,6 +32,7 @@ import torch
 
 from .. import env
 from ..kernels import persistent_matmul as pm
+from ..kernels.poison import poison_if_error
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
@@ -176,8 +177,7 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     P.pull_chunks([(chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]) for p in peers], 1, stream=st.side)
     ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
-              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev),
-              poison=False)  # fmt: skip
+              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev))  # fmt: skip
     if scaled is None:
         outs2 = pm.persistent_matmul(A_full, Bs, **kw)
     else:
@@ -192,20 +192,12 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     # Join first: every flag write of the side stream has landed before the reset (a consumer
     # that timed out, or had no tile to compute, did not wait for all of them).
     main.wait_stream(st.side)
-    # One launch: the outputs (and the gathered A: one whose READY wait timed out holds stale
-    # bytes) become NaN if a wait timed out; then the flags are reset.
-    _finish(ws, [A_full if return_A else None, *outs2], st.flags)
+    st.flags.zero_()
+    if return_A:  # NOTE: a gathered A whose READY wait timed out holds stale bytes: poison it
+        poison_if_error(A_full, ws.err)
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
     A_ret = A_full.view(*full_lead, K).movedim(0, gather_dim) if return_A else None
     return A_ret, outs
-
-
-def _finish(ws, tensors, flags) -> None:
-    """P.finish over any number of tensors (at most P.MAX_FINISH per launch); flags reset last."""
-    ts = [t for t in tensors if t is not None]
-    step = P.MAX_FINISH
-    for i in range(0, max(len(ts), 1), step):
-        P.finish(ts[i : i + step], ws.err, flags if i + step >= len(ts) else None)
 
 
 def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref=None):
@@ -273,8 +265,7 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
     sc_lead.insert(0, sc_lead.pop(scatter_dim))
     sc_lead[0] //= W
     out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
-    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
     ws.put_signal(CH_DONE)
     out = out.view(*sc_lead, N).movedim(0, scatter_dim)
     return out.contiguous() if scatter_dim else out
@@ -307,8 +298,7 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
     ws.wait_signal(CH_READY, tag=_TAG_RS)
     mine = ws.buffers[rank][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)
     out = torch.empty(M, Nc, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
-    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
     ws.put_signal(CH_DONE)
     return out.view(*out_shape[:-1], Nc)
 

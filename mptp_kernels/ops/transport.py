@@ -145,6 +145,8 @@ class SymmTransport:
         self.ws = ws
 
     def all_gather(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+        from ..kernels.poison import poison_if_error
+
         ws, r = self.ws, self.ws.rank
         src = _as_bytes(t)
         n = src.numel()
@@ -160,11 +162,12 @@ class SymmTransport:
         copies = [(out[p], src if p == r else ws.buffers[p][:n], None) for p in range(W)]
         P.pull_chunks(copies)
         ws.put_signal(P.CH_DONE)
-        P.finish([out], ws.err)  # NaN if a wait timed out
+        poison_if_error(out, ws.err)
         return out.view(t.dtype).view(W * t.shape[0], *t.shape[1:]) if t.dim() else out.view(t.dtype)
 
     def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
         """t: [W * c, ...] contiguous; returns the sum over ranks of chunk `rank` ([c, ...], t's dtype)."""
+        from ..kernels.poison import poison_if_error
         from ..kernels.reduce import reduce_partials
 
         ws, r = self.ws, self.ws.rank
@@ -191,5 +194,5 @@ class SymmTransport:
                 out += mine[p]
             out = out.view(out_shape)
         ws.put_signal(P.CH_DONE)
-        P.finish([out], ws.err)  # NaN if a wait timed out
+        poison_if_error(out, ws.err)
         return out

@@ -489,27 +489,6 @@ def pull_chunks(copies, value: int = 1, stream=None) -> None:
                                      value & 0xFFFFFFFF, n, use_ce), "pull_chunks")  # fmt: skip
 
 
-MAX_FINISH = 8  # csrc/symm/symm.h kMaxFinish
-_PTRS, _SIZES = ctypes.c_void_p * MAX_FINISH, ctypes.c_size_t * MAX_FINISH
-
-
-def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, stream=None) -> None:
-    """The end of a fused call, one small kernel: every tensor (contiguous, at most 8) becomes
-    all-ones bytes (NaN in every float dtype) if err[0] (an error record) is set, then `flags`
-    (int32, at most 32) is zeroed. Stream-ordered; the record is read once."""
-    ts = [t for t in tensors if t is not None and t.numel() > 0]
-    assert len(ts) <= MAX_FINISH and all(t.is_contiguous() for t in ts)
-    n = len(ts)
-    ptrs = _PTRS(*[t.data_ptr() for t in ts])
-    sizes = _SIZES(*[t.numel() * t.element_size() for t in ts])
-    nflags = 0 if flags is None else flags.numel()
-    assert flags is None or (flags.dtype == torch.int32 and flags.is_contiguous() and nflags <= 32)
-    stream = stream or torch.cuda.current_stream()
-    _C.check(_lib().mptp_finish(ctypes.c_void_p(stream.cuda_stream), ptrs, sizes, n,
-                                ctypes.c_void_p(flags.data_ptr() if nflags else None), nflags,
-                                ctypes.c_void_p(err.data_ptr())), "finish")  # fmt: skip
-
-
 def ce_copies(stream=None) -> bool:
     """Whether pull_chunks on `stream` asks for copy-engine copies (a hint the driver may ignore): the driver
     has cuMemcpyBatchAsync and has not refused it in this process (it refuses sources mapped from

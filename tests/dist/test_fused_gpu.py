@@ -89,7 +89,7 @@ def _check_strides_vs_reference(A_out, outs, shard, Bs, gather_dim, return_A):
     "shard_shape,gather_dim,ns,return_A",
     [((256, 512), 0, (384,), True), ((100, 256), 0, (200, 72, 136, 64), False), ((2, 96, 256), 1, (384, 128), True),
      ((3, 40, 128), 0, (136,), True),
-     # 9 Bs: the call's end (NaN on error, flag reset) takes two launches of at most 8 tensors
+     # 9 Bs: more outputs than one launch of the consumer takes (pointer kernel, groups of Bs)
      ((64, 128), 0, (64, 80, 96, 64, 72, 64, 88, 64, 104), True)],
 )  # fmt: skip
 def test_fused_all_gather_matmul(fused_workers, dtype, shard_shape, gather_dim, ns, return_A):

@@ -203,8 +203,7 @@ def _stalled_peer(seed, op):
     A = randn((256, 256), seed + r).to("cuda", torch.bfloat16)
     Ar = randn((256 * W, 256), seed + 50 + r).to("cuda", torch.bfloat16)
     B = randn((256, 256), seed + 9, scale=1 / 16).to("cuda", torch.bfloat16)
-    # All-gather: the gathered A and every output must be NaN (one launch poisons them all, at most
-    # 8 a launch: 9 Bs take two).
+    # All-gather: the gathered A and every one of many outputs must be NaN.
     Bs = [B] * 9
     call = (lambda: torch.cat([t.reshape(-1) for t in (lambda r: [r[0], *r[1]])(
         torch.ops.mptp.fused_all_gather_matmul(A, Bs, 0, _g()))])) if op == "ag" else (
