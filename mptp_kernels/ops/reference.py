@@ -6,6 +6,7 @@ fallback. They are also the fake implementations: under FakeTensorMode the
 functional collectives only compute metadata.
 """
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -227,7 +228,7 @@ def scaled_matmul_reduce_scatter(
     out_dtype = validate.scaled_out_dtype(out_dtype)
     if output_shape is None:
         output_shape = [*A.shape[:-1], B.shape[1]]
-    output_shape = list(output_shape)
+    output_shape = validate.resolve_output_shape(output_shape, math.prod(A.shape[:-1]), B.shape[1])
     orig_scatter_dim = validate.norm_dim(orig_scatter_dim, len(output_shape), "orig_scatter_dim")
     validate.check_divisible(output_shape, orig_scatter_dim, W, "orig_scatter_dim")
     if A_scale.numel() > 1:

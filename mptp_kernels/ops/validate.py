@@ -62,6 +62,25 @@ def group_size(group_name: str) -> int:
         ) from None
 
 
+def resolve_output_shape(output_shape, rows: int, N: int) -> list:
+    """The scaled reduce-scatter's output_shape with a -1 resolved as view() would: the last
+    entry (always N) may be -1, and one leading entry may be -1 where the rest divide A's rows.
+    Anything else is returned as given (symbolic sizes too), for the checks to judge."""
+    shape = list(output_shape)
+    if shape and type(shape[-1]) is int and shape[-1] == -1:
+        shape[-1] = N
+    lead = shape[:-1]
+    neg = [i for i, d in enumerate(lead) if type(d) is int and d == -1]
+    if len(neg) == 1 and all(type(d) is int for d in lead) and type(rows) is int:
+        known = 1
+        for j, d in enumerate(lead):
+            if j != neg[0]:
+                known *= d
+        if known > 0 and rows % known == 0:
+            lead[neg[0]] = rows // known
+    return lead + shape[-1:]
+
+
 def norm_dim(dim: int, ndim: int, arg: str) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{arg}: expected a dim in [{-ndim}, {ndim}), got {dim}")

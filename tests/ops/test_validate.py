@@ -219,3 +219,34 @@ def test_check_agreement_is_opt_in(monkeypatch, value, gloo, nccl):
             env.check_agreement(nccl=False)
         return
     assert env.check_agreement(nccl=False) is gloo and env.check_agreement(nccl=True) is nccl
+
+
+@pytest.mark.parametrize("shape", [[-1, 8], [2, -1, 8], [2, 2, -1], [-1, 2, 8]])
+def test_scaled_reduce_scatter_output_shape_takes_a_minus_one_as_view_does(pg1, shape):
+    """PyTorch's fallback views C as output_shape (C.view(*output_shape[:-1], N)), so a -1
+    there is inferred; ours refused it. Real call and fake impl against a float64 reference."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    E4 = torch.float8_e4m3fn
+    A = torch.randn(4, 16).to(E4)
+    B = torch.randn(8, 16).to(E4).t()
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    want = [2, 2, 8] if len(shape) == 3 else [4, 8]
+    out = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, sa, sb, "sum", 0, 0, pg1, shape,
+                                                            out_dtype=torch.float32)  # fmt: skip
+    ref = (A.double() @ B.double()) * 0.5 * 2.0
+    assert list(out.shape) == want
+    torch.testing.assert_close(out.double().reshape(4, 8), ref, rtol=1e-6, atol=1e-6)  # fp32 sums of 16 products
+    with FakeTensorMode() as m:
+        fo = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+            m.from_tensor(A), m.from_tensor(B), m.from_tensor(sa), m.from_tensor(sb), "sum", 0, 0, pg1, shape,
+            out_dtype=torch.float32)  # fmt: skip
+    assert list(fo.shape) == want and fo.stride() == out.stride()
+
+
+def test_scaled_reduce_scatter_output_shape_with_two_minus_ones_is_refused(pg1):
+    E4 = torch.float8_e4m3fn
+    A, B = torch.randn(4, 16).to(E4), torch.randn(8, 16).to(E4).t()
+    with pytest.raises(ValueError, match="output_shape"):
+        torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0,
+                                                          pg1, [-1, -1, 8], out_dtype=torch.float32)  # fmt: skip
