@@ -621,3 +621,47 @@ def test_cpp_wrapper_leaves_all_gathers_alone(fake4):
     with torch._inductor.config.patch(cpp_wrapper=True):
         assert _run_pass(gm) == 1
     assert _fused(gm, mptp.fused_matmul_reduce_scatter) and not _fused(gm, mptp.fused_all_gather_matmul)
+
+
+def _issue_order(code: str) -> list:
+    call = code[code.index("def call(") :]
+    return [line.strip().split("(")[0].split("= ")[-1] for line in call.splitlines()
+            if ("_c10d_functional." in line or "mptp." in line) and "wait_tensor" not in line
+            and "assert" not in line and not line.strip().startswith("#")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["ag_before_all_reduce", "all_reduce_before_rs"])
+def test_compiled_code_issues_the_fused_op_where_the_collective_was(pg1, case):
+    """Found by a hostile review: Inductor's peak-memory reordering moved the fused op (a plain
+    fallback kernel to it) past independent collectives, which Inductor keeps in program order
+    among themselves: a fused all-gather sank below a later all_reduce, a fused reduce-scatter
+    rose above an earlier one. Ranks fusing differently then deadlocked (test_rank_divergent)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.utils import run_and_get_code
+
+    g = pg1
+    mptp_kernels.enable_symm_mem_for_group(g)
+
+    def ag_before_all_reduce(x, B, y):
+        h = funcol.all_gather_tensor(x, 0, g) @ B  # large output, used late
+        z = funcol.all_reduce(y, "sum", g)
+        return h.sum() + z.sum()
+
+    def all_reduce_before_rs(x, B, y):
+        z = funcol.all_reduce(y.sin() * 3, "sum", g)  # large temporary, live until the all_reduce
+        out = funcol.reduce_scatter_tensor(x @ B, "sum", 0, g)
+        return z.sum() + out.sum()
+
+    if case == "ag_before_all_reduce":
+        fn, args = ag_before_all_reduce, (torch.randn(64, 256), torch.randn(256, 4096), torch.randn(64, 256))
+        want = ["torch.ops.mptp.fused_all_gather_matmul.default", "torch.ops._c10d_functional.all_reduce_.default"]
+    else:
+        fn, args = all_reduce_before_rs, (torch.randn(64, 512), torch.randn(512, 64), torch.randn(1 << 18))
+        want = ["torch.ops._c10d_functional.all_reduce_.default", "torch.ops.mptp.fused_matmul_reduce_scatter.default"]
+    torch._dynamo.reset()
+    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+    with torch._inductor.config.patch(fast), mptp_kernels.enable_micro_pipeline_tp():
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    torch._dynamo.reset()
+    assert _issue_order(code[0]) == want, _issue_order(code[0])
+    torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-2)  # fp32 sums of 1e5-1e6 terms

@@ -66,8 +66,20 @@ def _divergent(kind):
         y = A @ B
         return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
 
+    def gather_then_all_reduce(x, w, y):
+        # A large fused output used late and an independent all_reduce after it: Inductor's
+        # peak-memory reordering sank the fused op (a plain fallback kernel to it) below the
+        # all_reduce on rank 1 only; the ranks' collectives paired crosswise (gloo timeout).
+        A = torch.cat(torch.chunk(funcol.all_gather_tensor(x, 0, g), W, 0), 1)
+        h = A @ w
+        z = funcol.all_reduce(y, "sum", g)
+        out = h.sum() + z.sum()
+        return (out, A.abs().mean()) if dist.get_rank() == 0 else (out, None)
+
     if kind == "rs":
         fn, args = row_parallel, (_ints((4 * W, 8), r), _ints((8, 6), 9))
+    elif kind == "ag_then_all_reduce":
+        fn, args = gather_then_all_reduce, (_ints((64, 256), r), _ints((256 * W, 4096), 9), _ints((64, 256), 100 + r))
     elif kind == "ag_B_gathered_after":
         fn, args = b_gathered_after, (_ints((4 * W, 4), r), 10 * _ints((4, 4 * W), 50 + r))
     else:  # a [13, 10] fp32 shard: 520 bytes, the size of an agreement message
@@ -86,6 +98,13 @@ def _divergent(kind):
 def test_ranks_that_fuse_differently_compute_the_same_values(plain2, kind):
     fused = plain2.run(_divergent, kind, timeout_s=TIMEOUT_S)
     # The case is what it says: rank 0 left its collective alone, rank 1 fused it.
+    assert fused == [0, 1], fused
+
+
+def test_inductor_keeps_the_fused_op_in_order_with_other_collectives(plain2):
+    """Found by a hostile review: Inductor chains collectives in program order before it
+    reorders, but a torch.ops.mptp call was not one to it (mptp_kernels/compile/ordering.py)."""
+    fused = plain2.run(_divergent, "ag_then_all_reduce", timeout_s=TIMEOUT_S)
     assert fused == [0, 1], fused
 
 
