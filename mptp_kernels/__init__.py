@@ -7,6 +7,7 @@ fused_scaled_matmul_reduce_scatter).
 
 from . import _library  # noqa: F401  (registers torch.ops.mptp)
 from .compile import disable_micro_pipeline_tp, enable_micro_pipeline_tp, explain
+from .compile.ordering import install as _install_ordering
 from .ops import (
     enable_symm_mem_for_group,
     fused_all_gather_matmul,
@@ -18,6 +19,8 @@ from .ops import (
     restride_A_shard_for_fused_all_gather_matmul,
     shutdown,
 )
+
+_install_ordering()  # compiled graphs keep torch.ops.mptp calls in order with their collectives
 
 
 def path_counts() -> dict:

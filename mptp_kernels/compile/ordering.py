@@ -9,8 +9,10 @@ matmul-reduce-scatter hoisted above an earlier one). Ranks whose graphs differ (
 one not) then issue their collectives in different orders and deadlock.
 
 install() wraps that function so the mptp ops count as collectives while it chains them: torch's
-own code adds the dependencies, in whatever form the installed torch uses. Idempotent; a torch
-without the function is left alone.
+own code adds the dependencies, in whatever form the installed torch uses. Graphs without an
+mptp op are scheduled exactly as before. Installed when mptp_kernels is imported (the ops may be
+called from compiled code without the pass) and by enable_micro_pipeline_tp(); idempotent; a
+torch without the function is left alone.
 """
 
 import functools
@@ -43,7 +45,7 @@ def install() -> bool:
     """Returns whether the ordering is in place (False: this torch has no such step)."""
     try:
         from torch._inductor import comms
-    except ImportError:
+    except Exception:  # noqa: BLE001 - no Inductor (or a broken one): nothing to order
         return False
     orig = getattr(comms, "decide_global_ordering_of_comms", None)
     if orig is None or not hasattr(comms, "contains_collective"):
