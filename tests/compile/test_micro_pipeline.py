@@ -623,7 +623,7 @@ def test_cpp_wrapper_leaves_all_gathers_alone(fake4):
     assert _fused(gm, mptp.fused_matmul_reduce_scatter) and not _fused(gm, mptp.fused_all_gather_matmul)
 
 
-def _issue_order(code: str) -> list:
+def _code_issue_order(code: str) -> list:
     call = code[code.index("def call(") :]
     return [line.strip().split("(")[0].split("= ")[-1] for line in call.splitlines()
             if ("_c10d_functional." in line or "mptp." in line) and "wait_tensor" not in line
@@ -663,5 +663,5 @@ def test_compiled_code_issues_the_fused_op_where_the_collective_was(pg1, case):
     with torch._inductor.config.patch(fast), mptp_kernels.enable_micro_pipeline_tp():
         out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
     torch._dynamo.reset()
-    assert _issue_order(code[0]) == want, _issue_order(code[0])
+    assert _code_issue_order(code[0]) == want, _code_issue_order(code[0])
     torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-2)  # fp32 sums of 1e5-1e6 terms
