@@ -3,13 +3,16 @@
 # parallel (GROUP_A/B/C, as scripts/gpu_tests.sh); then, one after another while time is left,
 # the host time per stage (profile_stages.py), the cost model's check (check_cost_model.py) and
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
-# and what is left of the budget. Everything is packed into $OUT/all.tgz.
+# and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
+# $OUT/all.tgz (the device tool returns at most 8 files).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + ${BUDGET_S:-570} ))
 left() { local l=$(( deadline - $(date +%s) - 5 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+pack() { (cd "$OUT" && tar czf /tmp/all.tgz . && find . -type f -delete && mv /tmp/all.tgz all.tgz); }
 bash scripts/gpu_tests.sh
+[ "${BENCH:-1}" = 1 ] || { pack; exit 0; }
 step() {  # step NAME MAX_S LOG CMD...
   local name=$1 max=$2 log=$3; shift 3
   local t; t=$(left "$max")
@@ -26,4 +29,4 @@ cp bench/results/all_gather_matmul.csv bench/results/matmul_reduce_scatter.csv "
 step ag_loopback 140 ag_loopback.txt python3 bench/bench_all_gather_matmul.py --mode loopback-op --Ms 8192
 step rs_loopback 100 rs_loopback.txt python3 bench/bench_matmul_reduce_scatter.py --mode loopback-op --Ms 8192
 grep -hv "^\[rank" "$OUT/bench/ag_loopback.txt" "$OUT/bench/rs_loopback.txt" | tail -30
-(cd "$OUT" && tar czf /tmp/all.tgz . && find . -type f -delete && mv /tmp/all.tgz all.tgz)
+pack

@@ -159,9 +159,6 @@ def enable_micro_pipeline_tp() -> _Enabled:
     Calls nest: the pass stays installed until every enable has been matched by a
     disable (or its with-block has exited).
     """
-    from .ordering import install
-
-    install()  # the mptp ops keep their program order with the graph's collectives
     cfg = torch._inductor.config
     if _state["depth"] == 0:
         _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)

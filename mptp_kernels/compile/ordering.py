@@ -11,8 +11,8 @@ one not) then issue their collectives in different orders and deadlock.
 install() wraps that function so the mptp ops count as collectives while it chains them: torch's
 own code adds the dependencies, in whatever form the installed torch uses. Graphs without an
 mptp op are scheduled exactly as before. Installed when mptp_kernels is imported (the ops may be
-called from compiled code without the pass) and by enable_micro_pipeline_tp(); idempotent; a
-torch without the function is left alone.
+called from compiled code without the pass); idempotent; a torch without the function is left
+alone.
 """
 
 import functools
@@ -25,11 +25,9 @@ def _ops():
     if _MPTP_OPS is None:
         import torch
 
-        import mptp_kernels  # noqa: F401 - registers the ops
+        from ..ops.agreement import OPS  # (importing mptp_kernels registered the ops)
 
-        names = ("fused_all_gather_matmul", "fused_all_gather_scaled_matmul", "fused_matmul_reduce_scatter",
-                 "fused_scaled_matmul_reduce_scatter")  # fmt: skip
-        _MPTP_OPS = {getattr(torch.ops.mptp, n).default for n in names}
+        _MPTP_OPS = {getattr(torch.ops.mptp, n).default for n in OPS}
     return _MPTP_OPS
 
 

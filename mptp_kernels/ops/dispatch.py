@@ -268,11 +268,14 @@ def _canonical(name: str, args):
     if name == "fused_all_gather_scaled_matmul" and isinstance(args[6], (list, tuple)):
         return (args[0], args[1], scalar(args[2], args[0]), *args[3:6], [flat(b) for b in args[6]], *args[7:])
     if name == "fused_scaled_matmul_reduce_scatter":
-        A, B, shape = args[0], args[1], args[8]
-        if shape is not None and isinstance(A, torch.Tensor) and isinstance(B, torch.Tensor) and B.dim() == 2:
-            shape = validate.resolve_output_shape(shape, math.prod(A.shape[:-1]), B.shape[1])
-        return (*args[:2], scalar(args[2], args[0]), *args[3:8], shape, *([flat(args[9])] if len(args) > 9 else []),
-                *args[10:])  # fmt: skip
+        a = list(args)
+        A, B = a[0], a[1]
+        a[2] = scalar(a[2], A)
+        if a[8] is not None and isinstance(A, torch.Tensor) and isinstance(B, torch.Tensor) and B.dim() == 2:
+            a[8] = validate.resolve_output_shape(a[8], math.prod(A.shape[:-1]), B.shape[1])
+        if len(a) > 9:
+            a[9] = flat(a[9])
+        return tuple(a)
     return args
 
 

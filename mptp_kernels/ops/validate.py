@@ -5,6 +5,7 @@ rank raises the same error before any communication starts.
 """
 
 import contextlib
+import math
 from enum import Enum
 from typing import Optional, Sequence
 
@@ -72,10 +73,7 @@ def resolve_output_shape(output_shape, rows: int, N: int) -> list:
     lead = shape[:-1]
     neg = [i for i, d in enumerate(lead) if type(d) is int and d == -1]
     if len(neg) == 1 and all(type(d) is int for d in lead) and type(rows) is int:
-        known = 1
-        for j, d in enumerate(lead):
-            if j != neg[0]:
-                known *= d
+        known = -math.prod(lead)  # the -1 times the rest
         if known > 0 and rows % known == 0:
             lead[neg[0]] = rows // known
     return lead + shape[-1:]
