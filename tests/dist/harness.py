@@ -8,6 +8,7 @@ returns the per-rank results; an exception on any rank becomes an
 AssertionError carrying every failing rank's traceback. Every wait is bounded.
 """
 
+import contextlib
 import os
 import queue
 import sys
@@ -100,3 +101,5 @@ class Workers:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        with contextlib.suppress(FileNotFoundError):  # a killed rank leaves the store's file behind
+            os.unlink(self._store)
