@@ -23,17 +23,29 @@ from bench_persistent_matmul import make  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
 
+BURST = 8  # calls per timed burst (see host_us)
 
-def host_us(fn, calls):
+
+def host_us(fn, calls, burst=BURST):
+    """Host microseconds per call, timed in bursts of `burst` calls from an idle GPU.
+
+    NOTE: calls issued back to back without end fill CUDA's launch queue (about a thousand
+    launches) whenever the GPU is slower than the host, and the host then waits in a launch:
+    that measures GPU time, not host time. A burst of a few calls stays far below the queue.
+    """
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    total, done = 0.0, 0
+    while done < calls:
+        n = min(burst, calls - done)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        total += time.perf_counter() - t0
+        done += n
+        torch.cuda.synchronize()
+    return total / calls * 1e6
 
 
 def profile(fn, calls, top=25, sorts=("tottime",)):

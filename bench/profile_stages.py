@@ -5,7 +5,8 @@
 cProfile charges its own overhead to every Python call, so functions made of many small calls
 look several times dearer than they are. Here a handful of stage functions are wrapped with a
 perf_counter_ns timer (about 0.2 us each) and the real ops run on a loopback group (W simulated
-ranks on one GPU, M = 8192 N = 4096 K = 1792), back to back without synchronising. Printed per
+ranks on one GPU, M = 8192 N = 4096 K = 1792), in bursts of a few calls from an idle GPU
+(so that no launch waits for room in CUDA's queue). Printed per
 op call: the op's host time, then each stage's calls and inclusive microseconds.
 """
 
@@ -19,6 +20,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_host import BURST  # noqa: E402
 from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 import mptp_kernels  # noqa: E402,F401
@@ -108,13 +110,15 @@ def main():
         torch.cuda.synchronize()
         TOTAL.clear()
         CALLS.clear()
-        t0 = time.perf_counter_ns()
-        for _ in range(a.calls):
-            fn()
-        t1 = time.perf_counter_ns()
-        torch.cuda.synchronize()
+        elapsed = 0
+        for i in range(0, a.calls, BURST):  # bursts from an idle GPU: see profile_host.host_us
+            t0 = time.perf_counter_ns()
+            for _ in range(min(BURST, a.calls - i)):
+                fn()
+            elapsed += time.perf_counter_ns() - t0
+            torch.cuda.synchronize()
         print(
-            f"\n{name}, {path} path: {(t1 - t0) / a.calls / 1e3:.1f} us per call (with the stage timers)"
+            f"\n{name}, {path} path: {elapsed / a.calls / 1e3:.1f} us per call (with the stage timers)"
         )
         for stage in sorted(TOTAL, key=TOTAL.get, reverse=True):
             print(
