@@ -7,6 +7,7 @@ fused_scaled_matmul_reduce_scatter).
 
 from . import _library  # noqa: F401  (registers torch.ops.mptp)
 from .compile import disable_micro_pipeline_tp, enable_micro_pipeline_tp, explain
+from .compile.cache_key import install as _install_cache_key
 from .compile.ordering import install as _install_ordering
 from .ops import (
     enable_symm_mem_for_group,
@@ -21,6 +22,7 @@ from .ops import (
 )
 
 _install_ordering()  # compiled graphs keep torch.ops.mptp calls in order with their collectives
+_install_cache_key()  # compile caches tell graphs apart by the sizes of the groups the ops name
 
 
 def path_counts() -> dict:

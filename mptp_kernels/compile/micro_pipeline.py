@@ -118,6 +118,9 @@ def _shapes_ok(*vals) -> bool:
     )
 
 
+# A gather of the last (K) dim is rewritten only where the shard's K is at least this (PyTorch's
+# pass: smaller ones are too small to decompose).
+LAST_DIM_MIN_K = 1024
 _SYMBOLIC_WHY = "symbolic shapes other than the rows of a 2-D A, or a size that may be 0 or 1"
 
 
@@ -657,6 +660,12 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         raise _Reject("the scaled op cannot gather the last (K) dim")
     if last and need_A:
         raise _Reject("gathering the last dim: the gathered tensor has users besides the matmuls")
+    if last and not (isinstance(shard_val.shape[-1], int) and shard_val.shape[-1] >= LAST_DIM_MIN_K):
+        # NOTE: as PyTorch's pass (and its test_fuse_all_gather_matmul, which asserts that a
+        # small last-dim gather stays a plain all-gather): a shard's K below this is too small
+        # to decompose; the op would run its reference anyway (the fused path gathers rows).
+        raise _Reject(f"gathering the last dim of a shard with K = {shard_val.shape[-1]} "
+                      f"(< {LAST_DIM_MIN_K}, as PyTorch's pass)")  # fmt: skip
 
     to_raise = _ancestors([a for mm in matmuls for a in mm.other_args()])
     _check_raisable(m.ag, to_raise)

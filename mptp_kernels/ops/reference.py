@@ -98,7 +98,9 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
     B_scale: one element or [1, N]; out_dtype: default A's dtype (an FP8 output).
     Non-FP8 outputs on CUDA are torch._scaled_mm itself. FP8 outputs are
     y = (sa * sb * A @ B + bias) * result_scale in fp32, saturated to the FP8 range,
-    rounded to nearest: cuBLASLt's D-scale convention. NOTE: torch's own FP8 output is not
+    rounded to nearest: cuBLASLt's D-scale convention (on the CPU the fp32 product is
+    torch's CPU _scaled_mm where it takes the scales, so that in range the output is the
+    one torch's CPU FP8 output gives). NOTE: torch's own FP8 output is not
     one thing: CUDA _scaled_mm ignores scale_result in torch 2.10-2.11 (pytorch/pytorch#190449)
     and the CPU divides by it, so the result scale is applied here. Non-FP8 outputs on the CPU
     are torch._scaled_mm where it takes the scales (torch 2.11's CPU kernel has no row-wise
@@ -110,22 +112,30 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
         return torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
     # NOTE: real tensors only (not fake), and K > 0: torch's CPU kernel leaves a K = 0 output
     # unwritten (garbage) where the product is zeros (plus the bias).
-    if not fp8_out and type(A) is torch.Tensor and A.device.type == "cpu" and A.shape[-1] > 0:
+    y = None
+    if type(A) is torch.Tensor and A.device.type == "cpu" and A.shape[-1] > 0:
         # NOTE: torch's own CPU _scaled_mm where it takes these scales (row-wise from torch 2.12),
         # so a graph the pass rewrote rounds as the graph it replaced (fp32 products summed
-        # in another order differ in the last bits). Elsewhere the fp32 definition below.
+        # in another order differ in the last bits, and an FP8 output then rounds one step
+        # off: found by a port of PyTorch's test). An FP8 output takes its fp32 result, which
+        # rounds as torch's FP8 output does within range (checked on 800 random cases).
+        # Elsewhere the fp32 definition below.
+        inner = torch.float32 if fp8_out else want
+        b = None if fp8_out else bias
         key = (A.dtype, B.dtype, A_scale.dtype, B_scale.dtype, A_scale.numel() == 1, B_scale.numel() == 1,
-               None if bias is None else bias.dtype, want, use_fast_accum)  # fmt: skip
+               None if b is None else b.dtype, inner, use_fast_accum)  # fmt: skip
         if _CPU_SCALED_MM.get(key, True):
             try:
-                out = torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
+                y = torch._scaled_mm(A, B, A_scale, B_scale, bias=b, out_dtype=inner, use_fast_accum=use_fast_accum)
                 _CPU_SCALED_MM[key] = True
-                return out
             except (RuntimeError, NotImplementedError, ValueError, TypeError):  # e.g. mixed FP8 with bf16 scales
                 _CPU_SCALED_MM[key] = False
-    if A.is_cuda and A_scale.numel() == 1 and B_scale.numel() == 1:
+            else:
+                if not fp8_out:
+                    return y
+    if y is None and A.is_cuda and A_scale.numel() == 1 and B_scale.numel() == 1:
         y = torch._scaled_mm(A, B, A_scale, B_scale, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
-    else:  # (CUDA's row-wise _scaled_mm writes bf16 only)
+    elif y is None:  # (CUDA's row-wise _scaled_mm writes bf16 only)
         y = (A.float() @ B.float()) * A_scale.float() * B_scale.float()
     if bias is not None:
         y = y + bias.float()

@@ -93,3 +93,49 @@ def test_two_processes_share_one_cache_dir(tmp_path):
     # A list with a plain function in it is uncacheable as a whole.
     for r in (first["plus_fn_list"], second["plus_fn_list"]):
         assert r["result"] == PLUS and r["bypass"] >= 1 and r["hit"] == 0
+
+
+_WORLD_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import mptp_kernels
+
+W = int(sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
+g = dist.group.WORLD.group_name
+
+def f(x, w):
+    _, (y,) = torch.ops.mptp.fused_all_gather_matmul(x, [w], 0, g, return_A=False)
+    return torch.relu(y)
+
+x, w = torch.randn(4, 8), torch.randn(8, 5)  # the local shard: the same at every world size
+counters.clear()
+with torch._inductor.config.patch(fx_graph_cache=True):
+    y = torch.compile(f)(x, w)
+c = counters["inductor"]
+print("RESULT " + json.dumps({"shape": list(y.shape), "hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"]}))
+"""
+
+
+def _run_world(cache_dir, W):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0"}
+    p = subprocess.run([sys.executable, "-c", _WORLD_SCRIPT, str(W)], env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_the_cache_tells_world_sizes_apart(tmp_path):
+    """Found by a hostile review: an op's output shape depends on its group's size, which the
+    graph names only; a second job with another world size (same local shapes, same group
+    name) loaded the first one's graph and failed Inductor's size assert. The cache keys now
+    hold the sizes of the groups the ops name (mptp_kernels/compile/cache_key.py)."""
+    first = _run_world(tmp_path, 2)
+    assert first["shape"] == [8, 5] and first["miss"] >= 1
+    other = _run_world(tmp_path, 3)
+    assert other["shape"] == [12, 5] and other["hit"] == 0, other
+    again = _run_world(tmp_path, 2)
+    assert again["shape"] == [8, 5] and again["hit"] >= 1, ("the same world size should hit", again)

@@ -85,8 +85,11 @@ NAMED = [
         name="item1c_rs_regroup",
     ),
     # Item 4: the last dims.
-    Case("ag", (4, 8), 1, "mm", expect=1, name="ag_last_2d"),
-    Case("ag", (2, 3, 8), 2, "matmul", extra="mm_user", expect=1, name="ag_last_3d"),
+    # (a shard's K below 1024 is not decomposed: as PyTorch's pass and its test)
+    Case("ag", (4, 8), 1, "mm", expect=0, name="ag_last_2d_small_K"),
+    Case("ag", (2, 1024), 1, "mm", expect=1, name="ag_last_2d"),
+    Case("ag", (2, 3, 8), 2, "matmul", extra="mm_user", expect=0, name="ag_last_3d_small_K"),
+    Case("ag", (1, 2, 1024), 2, "matmul", extra="mm_user", expect=1, name="ag_last_3d"),
     Case("ag", (4, 8), 1, "mm", extra="A_user", expect=0, name="ag_last_A_user"),
     Case("rs", (4, 8, 16), 2, "matmul", "restore", expect=1, name="rs_last_3d"),
     Case("rs", (6, 16), 1, "mm", expect=1, name="rs_last_2d"),

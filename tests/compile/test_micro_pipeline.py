@@ -117,8 +117,9 @@ def test_all_gather_3d_matmul(fake4, gather_dim):
     def f(shard, B):
         return torch.matmul(_ag(shard, W4, fake4, gather_dim), B)
 
-    K = 16 * (W4 if gather_dim == 2 else 1)
-    gm = _trace(f, torch.randn(2, 3, 16), torch.randn(K, 4))
+    k = 1024 if gather_dim == 2 else 16  # a last-dim gather is decomposed from K = 1024 (as PyTorch)
+    K = k * (W4 if gather_dim == 2 else 1)
+    gm = _trace(f, torch.randn(2, 3, k), torch.randn(K, 4))
     assert _run_pass(gm) == 1
     t = _targets(gm)
     assert aten.mm.default not in t and aten.cat.default not in t and aten.split.Tensor not in t
@@ -127,6 +128,24 @@ def test_all_gather_3d_matmul(fake4, gather_dim):
     # The shard is restrided so that gather_dim is outermost (not for the last dim: the op cats along K).
     restrided = fused.args[0].target is torch.ops.prims.inductor_force_stride_order.default
     assert restrided == (gather_dim == 1)
+
+
+@pytest.mark.parametrize("A_dims", [2, 3])
+@pytest.mark.parametrize("k", [16, 1023, 1024])
+def test_all_gather_last_dim_fused_from_K_1024(fake4, A_dims, k):
+    """As PyTorch's pass and its test_fuse_all_gather_matmul: a gather of the last (K) dim is
+    decomposed only where the shard's K is at least 1024; below, it stays a plain all-gather."""
+
+    def f(shard, B):
+        return torch.matmul(_ag(shard, W4, fake4, A_dims - 1), B)
+
+    shard = torch.randn(*([2] * (A_dims - 1)), k)
+    gm = _trace(f, shard, torch.randn(k * W4, 4))
+    fused = _run_pass(gm)
+    assert fused == (1 if k >= 1024 else 0)
+    t = _targets(gm)
+    assert (mptp.fused_all_gather_matmul.default in t) == (k >= 1024)
+    assert (c10d.all_gather_into_tensor.default in t) == (k < 1024)
 
 
 # The three cases of issue 11 item 1: the output regroups A's leading dims.
@@ -515,8 +534,9 @@ def test_numerics_unchanged_world_size_1(group, dim):
         y = _rs(torch.matmul(A2, B2), 1, group, dim)
         return x, y
 
+    k = 1024 if dim == 2 else 16  # a last-dim gather is decomposed from K = 1024 (as PyTorch)
     _check_numerics(
-        f, (torch.randn(2, 3, 16), torch.randn(16, 4), torch.randn(2, 4, 8), torch.randn(8, 5)), 2
+        f, (torch.randn(2, 3, k), torch.randn(k, 4), torch.randn(2, 4, 8), torch.randn(8, 5)), 2
     )
 
 

@@ -53,11 +53,17 @@ def _divergent(kind):
 
     def col_parallel_last(x, w):
         # The hidden (last) dim, written as funcol's reference form (torch < 2.13's Dynamo cannot
-        # trace funcol's gather on dim != 0).
+        # trace funcol's gather on dim != 0); a shard's K of 1024 or more (as PyTorch's pass).
         full = funcol.all_gather_tensor(x, 0, g)
         A = torch.cat(torch.chunk(full, W, 0), 1)
         y = A @ w
         return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
+
+    def col_parallel_transposed(x, w):
+        # Rank 0 writes the same product as a transposed one (not fused: A is not the left operand).
+        A = funcol.all_gather_tensor(x, 0, g)
+        y = (w.t() @ A.t()).t() if dist.get_rank() == 0 else A @ w
+        return (y, None)
 
     def b_gathered_after(x, wsh):
         # B is gathered after A: fusing would move B's gather above A's on this rank only.
@@ -79,11 +85,13 @@ def _divergent(kind):
     if kind == "rs":
         fn, args = row_parallel, (_ints((4 * W, 8), r), _ints((8, 6), 9))
     elif kind == "ag_then_all_reduce":
-        fn, args = gather_then_all_reduce, (_ints((64, 256), r), _ints((256 * W, 4096), 9), _ints((64, 256), 100 + r))
+        fn, args = gather_then_all_reduce, (_ints((16, 1024), r), _ints((1024 * W, 4096), 9), _ints((64, 256), 100 + r))
     elif kind == "ag_B_gathered_after":
-        fn, args = b_gathered_after, (_ints((4 * W, 4), r), 10 * _ints((4, 4 * W), 50 + r))
+        fn, args = b_gathered_after, (_ints((4, 1024), r), 10 * _ints((1024, 8), 50 + r))
+    elif kind == "ag_last":
+        fn, args = col_parallel_last, (_ints((3, 1024), r), _ints((1024 * W, 6), 9))
     else:  # a [13, 10] fp32 shard: 520 bytes, the size of an agreement message
-        fn, args = col_parallel_last, (_ints((13, 10), r), _ints((10 * W, 6), 9))
+        fn, args = col_parallel_transposed, (_ints((13, 10), r), _ints((10, 6), 9))
     eager = fn(*args)[0]
     torch._dynamo.reset()
     decisions = []
@@ -94,7 +102,7 @@ def _divergent(kind):
     return sum(d.fused for d in decisions)
 
 
-@pytest.mark.parametrize("kind", ["rs", "ag_last_520_bytes"])
+@pytest.mark.parametrize("kind", ["rs", "ag_last", "ag_520_bytes"])
 def test_ranks_that_fuse_differently_compute_the_same_values(plain2, kind):
     fused = plain2.run(_divergent, kind, timeout_s=TIMEOUT_S)
     # The case is what it says: rank 0 left its collective alone, rank 1 fused it.
