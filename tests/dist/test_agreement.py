@@ -166,6 +166,43 @@ def test_a_rank_that_skips_the_call_times_out_with_a_clear_error():
     assert msgs[0] is not None
 
 
+def _skips_op(op):
+    import time
+
+    r, g = dist.get_rank(), _g()
+    if r == 1:
+        time.sleep(7)  # never calls; stays alive past rank 0's timeout
+        return None
+    A, B = torch.ones(4, 6), torch.ones(6, 4)
+    calls = {
+        "all_gather_matmul": lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g),
+        "matmul_reduce_scatter": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, g),
+        "matmul_reduce_scatter avg": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "avg", 1, g),
+    }
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        calls[op]()
+    took = time.monotonic() - t0
+    msg = str(info.value)
+    assert took < 8, f"raised after {took:.1f}s, not within MPTP_TIMEOUT_S=2"
+    assert "MPTP_TIMEOUT_S" in msg and g in msg and "rank 0" in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("check", ["0", "1"], ids=["agreement_off", "agreement_on"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_reduce_scatter avg"])
+def test_every_op_times_out_on_a_skipping_peer(op, check):
+    """Found by a hostile review: gloo's reduce-scatter work ignores wait(timeout), so with the
+    agreement check off (the default) a matmul-reduce-scatter whose peer skipped the call
+    waited for gloo's own timeout (30 minutes). Every wait on gloo is now polled against it."""
+    w = Workers(2, env={"MPTP_CHECK_AGREEMENT": check, "MPTP_TIMEOUT_S": "2"})
+    try:
+        msgs = w.run(_skips_op, op, timeout_s=60)
+    finally:
+        w.close()
+    assert msgs[0] is not None
+
+
 def _same_group_after_mismatch(seed):
     """After a disagreement raised, the group is still in step and usable."""
     W, r = dist.get_world_size(), dist.get_rank()
