@@ -274,6 +274,12 @@ class ColumnParallelLinear(nn.Module):
 
     Shapes:
         x: [*S, in_features] with S[gather_dim] = full / W -> [*S_full, out_features / W].
+        Every rank's shard must have the same shape (split the full input evenly, as the
+        unfused all_gather_into_tensor needs too). That takes a collective to check: on a
+        group without an mptp workspace (CPU, NCCL) set MPTP_CHECK_AGREEMENT=1 to get a
+        ValueError on every rank; without it, unequal shards fail as in the collective itself
+        (gloo may return garbage rows on one rank and abort on another). Groups with a
+        workspace always check.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group=None, gather_dim: int = 0,
@@ -339,6 +345,7 @@ class RowParallelLinear(nn.Module):
 
     Shapes:
         x: [*S, in_features / W] -> [*S with S[scatter_dim] / W, out_features].
+        Every rank's x must have the same shape (see ColumnParallelLinear on checking it).
     """
 
     def __init__(self, in_features: int, out_features: int, *, group=None, scatter_dim: int = 0,
