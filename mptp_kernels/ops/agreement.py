@@ -14,7 +14,6 @@ disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 import queue
 import struct
 import threading
-import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -266,37 +265,43 @@ def check_broken(pg) -> None:
         raise RuntimeError(hit[1])
 
 
-def _polled(pg) -> bool:
-    """Whether pg's works are waited by polling: gloo's. NOTE: found by a hostile review: gloo's
-    reduce-scatter work ignores wait(timeout) (its all-gather honours it), so a reduce-scatter
-    whose peer skipped the call waited for gloo's own timeout, 30 minutes by default."""
-    try:
-        return "gloo" in str(dist.get_backend(pg)).lower()
-    except (ValueError, RuntimeError):
-        return False
+def _wait_in_thread(work, timeout: float):
+    """work.wait() on a helper thread, given up after timeout seconds (RuntimeError "timed out").
+
+    NOTE: found by a hostile review: gloo's reduce-scatter work ignores wait(timeout) (its
+    all-gather honours it) and never reports is_completed(), so a matmul-reduce-scatter whose
+    peer skipped the call waited for gloo's own timeout, 30 minutes by default. A wait given up
+    leaves its thread blocked in gloo until then; the group is marked broken, so no later call
+    runs on it."""
+    done, box = threading.Event(), {}
+
+    def waiter():
+        try:
+            box["ok"] = work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=waiter, name="mptp-wait", daemon=True).start()
+    if not done.wait(timeout):
+        raise RuntimeError(f"the collective timed out: no answer within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["ok"]
 
 
-def _poll(work, timeout: float) -> None:
-    """Returns once work completed (well or not); raises RuntimeError("... timed out ...") after
-    timeout seconds. Sleeps grow from 10 us to 2 ms: a quick collective costs little latency."""
-    deadline = time.monotonic() + timeout
-    delay = 1e-5
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"the collective timed out: no answer within {timeout:g}s")
-        time.sleep(delay)
-        delay = min(delay * 2, 2e-3)
-
-
-def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None) -> None:
+def wait_bounded(work, pg, what: str, group_name: str, timeout=None, why=None, in_thread=False) -> None:
     """Waits for a c10d work at most `timeout` s (default env.host_timeout_s: MPTP_TIMEOUT_S, else
     the group's own timeout); a timeout marks the group broken and raises a RuntimeError naming
-    op, group, rank and (why(), where it can tell) the peers."""
+    op, group, rank and (why(), where it can tell) the peers. in_thread: for works whose wait
+    ignores its timeout (gloo's reduce-scatter), see _wait_in_thread."""
     timeout = env.host_timeout_s(pg) if timeout is None else timeout
     try:
-        if _polled(pg):
-            _poll(work, timeout)
-        ok = work.wait(timeout=timedelta(seconds=timeout))
+        if in_thread:
+            ok = _wait_in_thread(work, timeout)
+        else:
+            ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             # Not a timeout (e.g. a dtype the backend refuses): the collective failed on this rank.

@@ -94,7 +94,8 @@ def _bounded(name, old_name, out, t, pg, group_name, what, **kw):
     W = dist.get_world_size(pg)
     agreement.wait_bounded(op(out, t, group=pg, async_op=True, **kw), pg, call or what, group_name,
                            why=lambda: f"timed out in the reference path's {what.removeprefix('mptp ')}"
-                                       f"{agreement._missing(group_name, W, seq)}")  # fmt: skip
+                                       f"{agreement._missing(group_name, W, seq)}",
+                           in_thread="reduce_scatter" in name)  # fmt: skip
     return out
 
 

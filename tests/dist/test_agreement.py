@@ -194,7 +194,7 @@ def _skips_op(op):
 def test_every_op_times_out_on_a_skipping_peer(op, check):
     """Found by a hostile review: gloo's reduce-scatter work ignores wait(timeout), so with the
     agreement check off (the default) a matmul-reduce-scatter whose peer skipped the call
-    waited for gloo's own timeout (30 minutes). Every wait on gloo is now polled against it."""
+    waited for gloo's own timeout (30 minutes). It is now waited on a thread given up at the bound."""
     w = Workers(2, env={"MPTP_CHECK_AGREEMENT": check, "MPTP_TIMEOUT_S": "2"})
     try:
         msgs = w.run(_skips_op, op, timeout_s=60)
