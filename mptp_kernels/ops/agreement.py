@@ -274,10 +274,14 @@ def _wait_in_thread(work, timeout: float):
     leaves its thread blocked in gloo until then; the group is marked broken, so no later call
     runs on it."""
     done, box = threading.Event(), {}
+    # NOTE: grad and inference modes are per thread, and the work's wait writes the output (an
+    # inference tensor where the caller runs under inference_mode): the waiter takes the caller's.
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def waiter():
         try:
-            box["ok"] = work.wait()
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                box["ok"] = work.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
