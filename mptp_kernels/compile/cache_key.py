@@ -17,16 +17,11 @@ import functools
 
 import torch
 
-_GROUP_ARG = {
-    "fused_all_gather_matmul": 3,
-    "fused_all_gather_scaled_matmul": 5,
-    "fused_matmul_reduce_scatter": 4,
-    "fused_scaled_matmul_reduce_scatter": 7,
-}
-
 
 def _group_name(node):
     # "mptp.<op>.default" (an overload) or "mptp.<op>" (a packet, as Dynamo's graphs call it)
+    from ..ops.dispatch import _GROUP_ARG  # (the op -> index of its group_name argument)
+
     parts = str(node.target).split(".")
     i = _GROUP_ARG.get(parts[1]) if len(parts) > 1 and parts[0] == "mptp" else None
     if i is None:

@@ -91,6 +91,21 @@ def all_gather_matmul(
 _CPU_SCALED_MM: dict = {}
 
 
+def _cpu_scaled_mm(A, B, A_scale, B_scale, bias, out_dtype, use_fast_accum):
+    """torch's CPU _scaled_mm, or None where it refuses such a call (remembered per key)."""
+    key = (A.dtype, B.dtype, A_scale.dtype, B_scale.dtype, A_scale.numel() == 1, B_scale.numel() == 1,
+           None if bias is None else bias.dtype, out_dtype, use_fast_accum)  # fmt: skip
+    if not _CPU_SCALED_MM.get(key, True):
+        return None
+    try:
+        out = torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):  # e.g. mixed FP8 with bf16 scales
+        _CPU_SCALED_MM[key] = False
+        return None
+    _CPU_SCALED_MM[key] = True
+    return out
+
+
 def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=None, use_fast_accum=False):
     """torch._scaled_mm as the ops define it, the same on every device and torch version.
 
@@ -120,19 +135,10 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
         # off: found by a port of PyTorch's test). An FP8 output takes its fp32 result, which
         # rounds as torch's FP8 output does within range (checked on 800 random cases).
         # Elsewhere the fp32 definition below.
-        inner = torch.float32 if fp8_out else want
-        b = None if fp8_out else bias
-        key = (A.dtype, B.dtype, A_scale.dtype, B_scale.dtype, A_scale.numel() == 1, B_scale.numel() == 1,
-               None if b is None else b.dtype, inner, use_fast_accum)  # fmt: skip
-        if _CPU_SCALED_MM.get(key, True):
-            try:
-                y = torch._scaled_mm(A, B, A_scale, B_scale, bias=b, out_dtype=inner, use_fast_accum=use_fast_accum)
-                _CPU_SCALED_MM[key] = True
-            except (RuntimeError, NotImplementedError, ValueError, TypeError):  # e.g. mixed FP8 with bf16 scales
-                _CPU_SCALED_MM[key] = False
-            else:
-                if not fp8_out:
-                    return y
+        y = _cpu_scaled_mm(A, B, A_scale, B_scale, None if fp8_out else bias,
+                           torch.float32 if fp8_out else want, use_fast_accum)  # fmt: skip
+        if y is not None and not fp8_out:
+            return y
     if y is None and A.is_cuda and A_scale.numel() == 1 and B_scale.numel() == 1:
         y = torch._scaled_mm(A, B, A_scale, B_scale, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
     elif y is None:  # (CUDA's row-wise _scaled_mm writes bf16 only)
