@@ -23,6 +23,8 @@ step() {  # step NAME MAX_S LOG CMD...
 }
 step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
 grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
+grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 step cost_model 220 cost_model.txt python3 bench/check_cost_model.py
 grep -v "^\[rank" "$OUT/bench/cost_model.txt" | tail -22
 cp bench/results/all_gather_matmul.csv bench/results/matmul_reduce_scatter.csv "$OUT/bench/" 2>/dev/null
