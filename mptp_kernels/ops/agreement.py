@@ -265,29 +265,50 @@ def check_broken(pg) -> None:
         raise RuntimeError(hit[1])
 
 
+class _Waiter:
+    """A daemon thread that waits for c10d works handed to it, one at a time; idle ones are reused
+    (a thread per wait cost about 100 us on a CPU host, a handoff to a waiting one a fraction)."""
+
+    idle: List["_Waiter"] = []
+    lock = threading.Lock()
+
+    def __init__(self):
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="mptp-wait", daemon=True).start()
+
+    @classmethod
+    def take(cls) -> "_Waiter":
+        with cls.lock:
+            return cls.idle.pop() if cls.idle else cls()
+
+    def _loop(self) -> None:
+        while True:
+            work, inference, grad, done, box = self.jobs.get()
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    box["ok"] = work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                del work  # NOTE: the caller's output tensor is not kept alive by an idle thread
+                done.set()
+            with _Waiter.lock:  # NOTE: only now: a wait given up keeps its thread out of the pool
+                _Waiter.idle.append(self)
+
+
 def _wait_in_thread(work, timeout: float):
     """work.wait() on a helper thread, given up after timeout seconds (RuntimeError "timed out").
 
     NOTE: found by a hostile review: gloo's reduce-scatter work ignores wait(timeout) (its
     all-gather honours it) and never reports is_completed(), so a matmul-reduce-scatter whose
     peer skipped the call waited for gloo's own timeout, 30 minutes by default. A wait given up
-    leaves its thread blocked in gloo until then; the group is marked broken, so no later call
-    runs on it."""
+    leaves its thread blocked in gloo until then (out of the pool of idle waiters); the group is
+    marked broken, so no later call runs on it."""
     done, box = threading.Event(), {}
     # NOTE: grad and inference modes are per thread, and the work's wait writes the output (an
     # inference tensor where the caller runs under inference_mode): the waiter takes the caller's.
-    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-    def waiter():
-        try:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                box["ok"] = work.wait()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=waiter, name="mptp-wait", daemon=True).start()
+    _Waiter.take().jobs.put((work, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), done, box))
+    del work
     if not done.wait(timeout):
         raise RuntimeError(f"the collective timed out: no answer within {timeout:g}s")
     if "error" in box:
