@@ -6,7 +6,8 @@ from Python so the namespace, the fakes and the FX pass exist without the
 compiled extension. Implementations:
   * fake (register_fake): the reference code itself; under FakeTensorMode the
     functional collectives it calls only compute shapes and strides, so the
-    fake's strides equal the reference's by construction;
+    fake's strides equal the reference's by construction (size-1 dims too, where views of
+    fake and real tensors differ: reference._gather_dim_major_strides; test_fake_strides.py);
   * CPU and CUDA: ops.dispatch validates, checks that the ranks agree and runs
     the fused path (CUDA) or the reference on the group's transport.
 """

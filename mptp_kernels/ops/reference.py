@@ -6,6 +6,7 @@ fallback. They are also the fake implementations: under FakeTensorMode the
 functional collectives only compute metadata.
 """
 
+import functools
 import math
 from typing import List, Optional, Sequence
 
@@ -58,7 +59,27 @@ def _gather_dim_major(A_shard: torch.Tensor, gather_dim: int, W: int, group_name
     A_shard: [*S] -> [W * S[gather_dim], *S without gather_dim], contiguous.
     """
     gathered = all_gather(A_shard, W, group_name)
-    return gathered.view(W, *A_shard.shape).movedim(gather_dim + 1, 1).flatten(0, 1)
+    out = gathered.view(W, *A_shard.shape).movedim(gather_dim + 1, 1).flatten(0, 1)
+    if all(type(n) is int for n in A_shard.shape):  # NOTE: not for symbolic shapes: no guards
+        want = _gather_dim_major_strides(tuple(A_shard.shape), W, gather_dim)
+        if out.stride() != want and all(n == 1 or a == b for n, a, b in zip(out.shape, out.stride(), want)):
+            out = out.as_strided(out.shape, want)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_dim_major_strides(shape: tuple, W: int, gather_dim: int) -> tuple:
+    """The strides _gather_dim_major's views give a real (ATen) tensor.
+
+    NOTE: found by a hostile review: a view's stride for a size-1 dim is not one thing (ATen's
+    view and the Python one fake tensors run pick different ones), so the fake returned other
+    strides than the real op for, e.g., a [1, S, K] shard gathered on dim 1. The fake takes the
+    real op's: these views, run by ATen on a meta tensor (no mode: neither fake nor tracing)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        g = torch.empty((W * shape[0], *shape[1:]), device="meta")
+        return tuple(g.view(W, *shape).movedim(gather_dim + 1, 1).flatten(0, 1).stride())
 
 
 def all_gather_matmul(
