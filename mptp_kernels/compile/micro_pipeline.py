@@ -470,6 +470,22 @@ def _consumer_matmuls(res: fx.Node) -> list:
     return sorted(found, key=lambda m: order[m.node])
 
 
+def _reached_through_reshapes(res: fx.Node) -> list:
+    """The nodes that use res, or a logical reshape of it, other than by such a reshape (what a
+    rejection names: e.g. the addmm behind nn.Linear's reshape, not the reshape)."""
+    found, stack, seen = [], [res], set()
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u.target in _LOGICAL_RESHAPES and u.args and u.args[0] is cur:
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+            else:
+                found.append(u)
+    return found
+
+
 def _fully_consumed(node: fx.Node, matmuls: set) -> bool:
     """True when every use of node is by one of the matmuls or by a reshape that itself is."""
     for u in node.users:
@@ -647,10 +663,10 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             why = _SYMBOLIC_WHY
         (skipped if why else matmuls).append(why or mm)
     if not matmuls:
-        users = sorted({str(u.target) for u in m.res.users})
+        users = sorted({str(u.target) for u in _reached_through_reshapes(m.res)})
         raise _Reject(
             "; ".join(skipped)
-            or f"no matmul consumes it through reshapes only (its users: {users})"
+            or f"no matmul consumes it through reshapes only (mm, bmm, _scaled_mm; it reaches: {users})"
         )
     if len({mm.scaled for mm in matmuls}) != 1:
         raise _Reject("mixed matmul kinds (mm/bmm and _scaled_mm) consume it")
@@ -800,6 +816,10 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
         raise _Reject(why)
     C, out = _tval(m.inp), _tval(m.wait)
     X = _tval(mm.A)
+    if m.reduce_op == "avg" and not (C.dtype.is_floating_point or C.dtype.is_complex):
+        # NOTE: found by a hostile review: gloo's "avg" of integers raises, the op's truncates;
+        # the rewrite must not turn the graph's error (or a backend's own rounding) into our value.
+        raise _Reject(f"reduce_op 'avg' of {C.dtype} (integers: the backends differ)")
     if not _shapes_ok(C, out, X):
         raise _Reject(_SYMBOLIC_WHY)
     if mm.scaled and not _static(C):

@@ -101,6 +101,21 @@ def test_all_gather_dim0_two_mms_one_fused_call(fake4):
     assert len(fused.args[1]) == 2
 
 
+def test_unfused_all_gather_names_the_op_behind_the_reshape(fake4):
+    """nn.Linear with a bias on 3-D input: the reason names the addmm the reshape feeds, not the
+    reshape (found by a hostile review: the message said "its users: ['aten.reshape.default']")."""
+
+    def f(shard, W_, b):
+        return torch.nn.functional.linear(_ag(shard, W4, fake4), W_, b)
+
+    gm = _trace(f, torch.randn(2, 4, 16), torch.randn(8, 16), torch.randn(8))
+    log = []
+    with micro_pipeline.recording(log):
+        assert _run_pass(gm) == 0
+    detail = " ".join(str(d) for d in log)
+    assert "aten.addmm.default" in detail and "aten.reshape" not in detail.split("it reaches:")[-1], detail
+
+
 def test_all_gather_result_used_elsewhere_keeps_return_A(fake4):
     def f(shard, B):
         A = _ag(shard, W4, fake4)
@@ -311,6 +326,27 @@ def test_reduce_scatter_3d(fake4, scatter_dim):
     assert c10d.reduce_scatter_tensor.default not in t and aten.mm.default not in t
     (fused,) = _fused(gm, mptp.fused_matmul_reduce_scatter)
     assert fused.args[3] == scatter_dim
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter_avg_of_integers_not_fused(fake4, dtype, op):
+    """gloo's "avg" of integers raises where the op truncates (found by a hostile review): the pass
+    leaves an integer average to the graph, and fuses the rest."""
+
+    def f(A, B):
+        return _rs(A @ B, W4, fake4, 0, op)
+
+    A, B = (torch.randint(-3, 4, (8, 16)), torch.randint(-3, 4, (16, 8))) if not dtype.is_floating_point else (
+        torch.randn(8, 16), torch.randn(16, 8))  # fmt: skip
+    gm = _trace(f, A.to(dtype), B.to(dtype))
+    integer_avg = op == "avg" and not dtype.is_floating_point
+    log = []
+    with micro_pipeline.recording(log):
+        assert _run_pass(gm) == (0 if integer_avg else 1)
+    if integer_avg:
+        assert c10d.reduce_scatter_tensor.default in _targets(gm)
+        assert any("'avg' of" in str(r) for r in log), log
 
 
 def test_reduce_scatter_last_dim_2d_slices(fake4):
