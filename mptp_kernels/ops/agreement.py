@@ -291,9 +291,11 @@ class _Waiter:
                 box["error"] = e
             finally:
                 del work  # NOTE: the caller's output tensor is not kept alive by an idle thread
+                # NOTE: back in the pool before the caller wakes, so that its next wait reuses this
+                # thread; only once the wait returned: a wait given up keeps its thread out of it.
+                with _Waiter.lock:
+                    _Waiter.idle.append(self)
                 done.set()
-            with _Waiter.lock:  # NOTE: only now: a wait given up keeps its thread out of the pool
-                _Waiter.idle.append(self)
 
 
 def _wait_in_thread(work, timeout: float):
