@@ -666,7 +666,8 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         users = sorted({str(u.target) for u in _reached_through_reshapes(m.res)})
         raise _Reject(
             "; ".join(skipped)
-            or f"no matmul consumes it through reshapes only (mm, bmm, _scaled_mm; it reaches: {users})"
+            or "no matmul (mm, bmm, _scaled_mm) takes it, through reshapes only, as its first "
+            f"operand (it reaches: {users or 'nothing'})"
         )
     if len({mm.scaled for mm in matmuls}) != 1:
         raise _Reject("mixed matmul kinds (mm/bmm and _scaled_mm) consume it")

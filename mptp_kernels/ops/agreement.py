@@ -11,6 +11,7 @@ the same answer on every rank: a ValueError naming both calls when they
 disagree or any rank rejected its inputs, else (fused on every rank, max bytes).
 """
 
+import os
 import queue
 import struct
 import threading
@@ -290,12 +291,26 @@ class _Waiter:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
             finally:
-                del work  # NOTE: the caller's output tensor is not kept alive by an idle thread
+                # NOTE: nothing of the job stays with an idle thread: the work holds the caller's
+                # output, and an error's traceback the caller's frames (found by a hostile review).
+                del work
                 # NOTE: back in the pool before the caller wakes, so that its next wait reuses this
                 # thread; only once the wait returned: a wait given up keeps its thread out of it.
                 with _Waiter.lock:
                     _Waiter.idle.append(self)
                 done.set()
+                del done, box
+
+    @classmethod
+    def _after_fork(cls) -> None:
+        # NOTE: a forked child has none of the parent's threads (found by a hostile review: a
+        # child took a waiter that did not exist and timed out), and maybe a lock held by one.
+        cls.idle = []
+        cls.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Waiter._after_fork)
 
 
 def _wait_in_thread(work, timeout: float):

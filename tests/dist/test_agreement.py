@@ -229,3 +229,65 @@ def test_gloo_reduce_scatter_waits_reuse_one_thread(pg1):
         out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, pg1)
     torch.testing.assert_close(out, A @ B)
     assert sum(t.name == "mptp-wait" for t in threading.enumerate()) == 1
+
+
+class _StandInWork:
+    """A c10d work stand-in holding an "output", whose wait returns or raises."""
+
+    def __init__(self, error=None):
+        self.out, self.error = torch.empty(1024), error
+
+    def wait(self):
+        if self.error:
+            raise self.error
+        return True
+
+
+def test_a_failed_wait_leaves_nothing_with_the_idle_waiter():
+    """An error's traceback reaches the caller's frames (and the work, and its output): the idle
+    waiter must not keep it (found by a hostile review: a 64 MiB output stayed alive)."""
+    import gc
+    import time
+    import weakref
+
+    from mptp_kernels.ops import agreement
+
+    def call(work):  # a caller frame holding the work, as wait_bounded's does
+        return agreement._wait_in_thread(work, 5)
+
+    work = _StandInWork(RuntimeError("boom"))
+    out = weakref.ref(work.out)
+    with pytest.raises(RuntimeError, match="boom"):
+        call(work)
+    del work
+    deadline = time.monotonic() + 5
+    while out() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert out() is None, "the output of a failed wait is still alive"
+
+
+def test_a_forked_child_starts_its_own_waiters(pg1):
+    """A child forked after a gloo reduce-scatter has none of the parent's waiter threads (found by
+    a hostile review: it took one from the copied pool and timed out)."""
+    import multiprocessing as mp
+
+    from mptp_kernels.ops import agreement
+
+    A, B = torch.randn(8, 16), torch.randn(16, 8)
+    torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, pg1)
+    assert agreement._Waiter.idle, "the parent has an idle waiter"
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        q.put((len(agreement._Waiter.idle), agreement._wait_in_thread(_StandInWork(), 5)))
+
+    p = ctx.Process(target=child)
+    p.start()
+    try:
+        assert q.get(timeout=30) == (0, True)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
