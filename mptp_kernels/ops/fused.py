@@ -349,10 +349,11 @@ def _scaled_layout_proxy(A, Bs, gd, group_name):
 
 def _restride(t, layout):
     """Returns t with the reference's strides (a copy only where they differ)."""
-    if t is None or t.stride() == layout[1]:
+    if t is None:
         return t
-    if tuple(t.shape) == tuple(layout[0]) and all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), layout[1])):
-        return t.as_strided(layout[0], layout[1])  # only size-1 dims differ: the same elements
+    same = reference.size1_restrided(t, *layout)  # t itself, or only size-1 dims' strides differ
+    if same is not None:
+        return same
     out = torch.empty_strided(layout[0], layout[1], dtype=t.dtype, device=t.device)
     return out.copy_(t)
 

@@ -61,10 +61,18 @@ def _gather_dim_major(A_shard: torch.Tensor, gather_dim: int, W: int, group_name
     gathered = all_gather(A_shard, W, group_name)
     out = gathered.view(W, *A_shard.shape).movedim(gather_dim + 1, 1).flatten(0, 1)
     if all(type(n) is int for n in A_shard.shape):  # NOTE: not for symbolic shapes: no guards
-        want = _gather_dim_major_strides(tuple(A_shard.shape), W, gather_dim)
-        if out.stride() != want and all(n == 1 or a == b for n, a, b in zip(out.shape, out.stride(), want)):
-            out = out.as_strided(out.shape, want)
+        same = size1_restrided(out, out.shape, _gather_dim_major_strides(tuple(A_shard.shape), W, gather_dim))
+        if same is not None:
+            out = same
     return out
+
+
+def size1_restrided(t: torch.Tensor, shape, stride) -> Optional[torch.Tensor]:
+    """t with (shape, stride), without a copy, where they differ from t's in size-1 dims' strides
+    only (the same elements); else None."""
+    if tuple(t.shape) != tuple(shape) or any(n != 1 and a != b for n, a, b in zip(t.shape, t.stride(), stride)):
+        return None
+    return t if t.stride() == tuple(stride) else t.as_strided(shape, stride)
 
 
 @functools.lru_cache(maxsize=1024)

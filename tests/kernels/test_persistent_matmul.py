@@ -48,8 +48,14 @@ def _interpreter_problem():
     return None
 
 
-_PROBLEM = _interpreter_problem()
-pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_runs():
+    """Probed once, when the module's first test runs (not at collection)."""
+    why = _interpreter_problem()
+    if why is not None:
+        pytest.skip(why)
+
+
 DEV = "cuda" if CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
 SEED = random.randrange(1 << 30)
