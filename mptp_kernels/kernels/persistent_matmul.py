@@ -92,11 +92,12 @@ def _persistent_matmul_kernel(
     HAS_BIAS: tl.constexpr, A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr,
     RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr,
     FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCATTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     # A_SCALE_MODE / B_SCALE_MODE: 0 none, 1 tensor-wise (one float), 2 row-wise (per row / col).
     # RS_MODE, E5M2_INF, SOFT_FP8: FP8 output conversion (epilogue.py).
+    # EVEN_N: every N is a multiple of 16, so no vector of the hinted column loads below crosses N.
     pid = tl.program_id(0)
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
@@ -157,7 +158,10 @@ def _persistent_matmul_kernel(
         for kk in range(0, k_tiles):
             k_mask = offs_k < K - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if EVEN_N:
+                bt = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            else:  # NOTE: the hints let a vector start below N and end past it: past B's end on its last row
+                bt = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             if FAST_ACCUM:
                 acc = tl.dot(a, bt, acc, input_precision=INPUT_PRECISION)
             else:
@@ -172,9 +176,15 @@ def _persistent_matmul_kernel(
         if B_SCALE_MODE == 1:
             acc = acc * tl.load(_select(b, BS0, BS1, BS2))
         elif B_SCALE_MODE == 2:
-            acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn)[None, :]
+            if EVEN_N:
+                acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn)[None, :]
+            else:
+                acc = acc * tl.load(_select(b, BS0, BS1, BS2) + offs_bn, mask=col_mask, other=0.0)[None, :]
         if HAS_BIAS:
-            acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
+            if EVEN_N:
+                acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn).to(tl.float32)[None, :]
+            else:
+                acc = acc + tl.load(_select(b, BIAS0, BIAS1, BIAS2) + offs_bn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if RS_MODE != 0:
             acc = acc * out_factor
         if SCATTER:
@@ -362,7 +372,11 @@ _interpreting = epilogue.interpreting
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.reshape(-1)
+    """A scale or bias as the kernels read it: 1-D and contiguous (they index base + i).
+    NOTE: a strided one (a column of a table, an expanded scalar) is copied; read in place, its
+    stride would be ignored (a wrong result, or reads past the end of an expanded one)."""
+    t = t if t.dim() == 1 else t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -539,7 +553,7 @@ def persistent_matmul(
     for g in range(0, len(Bs), MAX_B):
         gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])
         gS = list(B_scales[g : g + MAX_B]) if B_scales is not None else []
-        gBias = list(biases[g : g + MAX_B]) if has_bias else []
+        gBias = [_flat(b) for b in biases[g : g + MAX_B]] if has_bias else []
         nb = len(gB)
         pad = lambda lst, fill: lst + [fill] * (MAX_B - len(lst))  # noqa: E731
         Bp, Cp = pad(gB, gB[0]), pad(gC, gC[0])
@@ -563,7 +577,7 @@ def persistent_matmul(
         constexprs = dict(
             NUM_CHUNKS=num_chunks, NUM_B=nb, MODE=mode, HAS_BIAS=has_bias,
             A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum,
-            INPUT_PRECISION=precision, SCATTER=scatter_to is not None,
+            INPUT_PRECISION=precision, SCATTER=scatter_to is not None, EVEN_N=all(n % 16 == 0 for n in Np[:nb]),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             NUM_SMS=grid[0],
         )  # fmt: skip
@@ -589,7 +603,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         a_desc, b_desc, C,
         _flat(A_scale) if A_scale is not None else _dummy(dev),
         _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
-        biases[0] if biases is not None else _dummy(dev),
+        _flat(biases[0]) if biases is not None else _dummy(dev),
         result_scale,
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag,
     ]  # fmt: skip

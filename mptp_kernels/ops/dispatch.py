@@ -289,7 +289,12 @@ def run(name: str, *args, **kwargs):
     lock = _LOCKS.get(group_name)
     if lock is None:
         lock = _LOCKS.setdefault(group_name, threading.RLock())
-    with lock, validate.no_autocast(args[0] if args else kwargs.get("A")):
+    A = args[0] if args else kwargs.get("A")
+    # NOTE: every CUDA call runs on A's device, as a C++ op's device guard would make it: the
+    # workspace's creation and growth, its signals, the reference path's transfers and every
+    # launch take the current device (a rank that never called set_device is on GPU 0).
+    device = torch.cuda.device(A.device) if isinstance(A, torch.Tensor) and A.is_cuda else contextlib.nullcontext()
+    with lock, validate.no_autocast(A), device:
         return _run(name, *args, **kwargs)
 
 
@@ -382,7 +387,7 @@ def _run(name: str, *args, **kwargs):
     if runner is not None:
         _count(name, "fused", A)
         env.log_once((name, "fused"), "%s: fused path", name)
-        with _guard(ws, what), torch.cuda.device(A.device):  # a Python op gets no device guard
+        with _guard(ws, what):
             return runner(ws)
     _count(name, "reference", A)
     tr = None

@@ -366,7 +366,8 @@ def _key(*args):  # noqa: D103
 def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
     A_ret, outs = _ag_run(ws, A, Bs, gd, group_name, return_A, W, scaled)
     name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
-    key = (name, repr(getattr(ref_fn, "keywords", None)), _key(*ref_args))
+    # NOTE: W is part of the key: a group name may be reused for a group of another size.
+    key = (name, repr(getattr(ref_fn, "keywords", None)), W, _key(*ref_args))
     (la,), lo = _reference_layout(ref_fn, key, ref_args)
     return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, lay) for o, lay in zip(outs, lo)]
 

@@ -152,6 +152,10 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
     """
     want = out_dtype or A.dtype
     fp8_out = want in validate.FP8_DTYPES
+    # NOTE: scales and bias as contiguous tensors: CUDA's row-wise _scaled_mm refuses strided
+    # scales, which the fused kernels take (a scale sliced from a table is a valid input).
+    A_scale, B_scale = A_scale.contiguous(), B_scale.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     if A.is_cuda and not fp8_out:
         return torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=want, use_fast_accum=use_fast_accum)
     # NOTE: real tensors only (not fake), and K > 0: torch's CPU kernel leaves a K = 0 output

@@ -96,7 +96,14 @@ def test_fused_all_gather_matmul(fused_workers, dtype, shard_shape, gather_dim, 
     fused_workers.run(_ag, SEED, shard_shape, gather_dim, ns, return_A, dtype)
 
 
-def _ag_scaled(seed, shard_shape, gather_dim, mode, ns, with_bias, out_dtype):
+def _strided(t):
+    """t's values in a view with strides (every other element of a wider tensor), on the GPU."""
+    if t is None or t.numel() == 1:
+        return t.cuda() if t is not None else None
+    return torch.stack([t, torch.full_like(t, 7.0)], dim=-1).cuda()[..., 0]
+
+
+def _ag_scaled(seed, shard_shape, gather_dim, mode, ns, with_bias, out_dtype, strided=False):
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     K = shard_shape[-1]
@@ -116,9 +123,9 @@ def _ag_scaled(seed, shard_shape, gather_dim, mode, ns, with_bias, out_dtype):
     biases = [randn((n,), seed + 400 + j).to(out_dtype) if with_bias else None for j, n in enumerate(ns)]
     before = _fused_count("fused_all_gather_scaled_matmul")
     _poison_allocator()
-    cu = lambda t: t.cuda() if t is not None else None  # noqa: E731
+    cu = _strided if strided else (lambda t: t.cuda() if t is not None else None)  # noqa: E731
     A_out, outs = torch.ops.mptp.fused_all_gather_scaled_matmul(
-        shards[r].cuda(), [cu(b) for b in Bs], A_scale.cuda(), [cu(s) for s in B_scales], gather_dim, g,
+        shards[r].cuda(), [b.cuda() for b in Bs], cu(A_scale), [cu(s) for s in B_scales], gather_dim, g,
         [cu(b) for b in biases], [None] * len(ns), [out_dtype] * len(ns), [True] * len(ns))
     torch.cuda.synchronize()
     assert _fused_count("fused_all_gather_scaled_matmul") == before + 1, "the fused path did not run"
@@ -137,6 +144,12 @@ def _ag_scaled(seed, shard_shape, gather_dim, mode, ns, with_bias, out_dtype):
                          [((128, 256), 0, False, torch.bfloat16), ((2, 72, 128), 1, True, torch.float32)])  # fmt: skip
 def test_fused_all_gather_scaled_matmul(fused_workers, mode, shard_shape, gather_dim, with_bias, out_dtype):
     fused_workers.run(_ag_scaled, SEED, shard_shape, gather_dim, mode, (256, 136), with_bias, out_dtype)
+
+
+@pytest.mark.parametrize("mode", ["row_sharded", "row_replicated"])
+def test_fused_all_gather_scaled_matmul_strided_scales_and_biases(fused_workers, mode):
+    """Scales and biases that are strided views (read as if contiguous before the fix: wrong values)."""
+    fused_workers.run(_ag_scaled, SEED, (2, 72, 128), 1, mode, (256, 136), True, torch.float32, True)
 
 
 def _rs(seed, shape, scatter_dim, N, reduce_op, dtype):
@@ -166,7 +179,7 @@ def test_fused_matmul_reduce_scatter(fused_workers, dtype, shape, scatter_dim, N
     fused_workers.run(_rs, SEED, shape, scatter_dim, N, reduce_op, dtype)
 
 
-def _rs_scaled(seed, shape, N, mode, with_bias, out_dtype):
+def _rs_scaled(seed, shape, N, mode, with_bias, out_dtype, strided=False):
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     shape = list(shape)
@@ -187,10 +200,11 @@ def _rs_scaled(seed, shape, N, mode, with_bias, out_dtype):
     ref = sum(parts).chunk(W)[r]
     eager = sum(p.to(out_dtype).double() for p in parts).chunk(W)[r]
     before = _fused_count("fused_scaled_matmul_reduce_scatter")
+    cu = _strided if strided else (lambda t: t.cuda() if t is not None else None)  # noqa: E731
     _poison_allocator()
     out = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
-        As[r].cuda(), B.cuda(), scales[r].cuda(), B_scale.cuda(), "sum", 0, 0, g, [*shape[:-1], N],
-        bias.cuda() if bias is not None else None, None, out_dtype, True)
+        As[r].cuda(), B.cuda(), cu(scales[r]), cu(B_scale), "sum", 0, 0, g, [*shape[:-1], N],
+        cu(bias), None, out_dtype, True)
     torch.cuda.synchronize()
     assert _fused_count("fused_scaled_matmul_reduce_scatter") == before + 1, "the fused path did not run"
     assert_matmul_close(out, ref, eager, k=4.0, atol=2e-3)
@@ -200,6 +214,39 @@ def _rs_scaled(seed, shape, N, mode, with_bias, out_dtype):
 @pytest.mark.parametrize("with_bias,out_dtype", [(False, torch.bfloat16), (True, torch.float32)])
 def test_fused_scaled_matmul_reduce_scatter(fused_workers, mode, with_bias, out_dtype):
     fused_workers.run(_rs_scaled, SEED, (96, 256), 136, mode, with_bias, out_dtype)
+
+
+def test_fused_scaled_matmul_reduce_scatter_strided_scales_and_biases(fused_workers):
+    fused_workers.run(_rs_scaled, SEED, (96, 256), 136, "row", True, torch.float32, True)
+
+
+def _other_current_device(seed):
+    """The op runs on A's device while the caller's current device is another GPU."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    dev = torch.device("cuda", torch.cuda.current_device())
+    other = (dev.index + 1) % torch.cuda.device_count()
+    shards = [randn((64, 128), seed + i) for i in range(W)]
+    B = randn((128, 96), seed + 99, scale=128**-0.5)
+    with torch.cuda.device(other):
+        for _ in range(2):  # the first call creates the workspace, the second reuses it
+            A_out, (out,) = torch.ops.mptp.fused_all_gather_matmul(shards[r].to(dev, torch.bfloat16),
+                                                                  [B.to(dev, torch.bfloat16)], 0, g)  # fmt: skip
+            rs = torch.ops.mptp.fused_matmul_reduce_scatter(shards[r].to(dev, torch.bfloat16),
+                                                           B.to(dev, torch.bfloat16), "sum", 0, g)  # fmt: skip
+        assert torch.cuda.current_device() == other
+    torch.cuda.synchronize(dev)
+    A_full = torch.cat(shards).double()
+    assert out.device == dev and rs.device == dev
+    assert_matmul_close(out, A_full @ B.double(), (A_full.to(torch.bfloat16).float() @ B.to(torch.bfloat16).float()),
+                        k=2.0, atol=1e-4)  # fmt: skip
+    ref_rs = sum(s.double() @ B.double() for s in shards).chunk(W)[r]
+    assert_matmul_close(rs, ref_rs, ref_rs.float(), k=3.0, atol=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (ranks on different GPUs)")
+def test_calls_run_on_A_device_whatever_the_current_device(fused_workers):
+    fused_workers.run(_other_current_device, SEED)
 
 
 def _stress(seed, n):
