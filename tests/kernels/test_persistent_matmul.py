@@ -142,6 +142,28 @@ def test_fp8_strided_scales_and_biases(kernel, Ns, case):
         assert_matmul_close(C, ref, ref.float(), k=3.0, atol=1e-4)
 
 
+def test_b_columns_masked_only_where_a_vector_could_leave_b_storage():
+    """Column masking of B costs its vector loads: only where the last row's vector can end past
+    the storage (N not a multiple of 16, 16-byte aligned rows, no room after the last row)."""
+    K = 8
+    wide = torch.zeros(K, 4112, dtype=torch.float16, device=DEV)
+    assert not pm._b_needs_mask(wide[:, :4096])  # N % 16 == 0
+    assert not pm._b_needs_mask(wide[:, :4088])  # room after the last row's 4088th column
+    assert pm._b_needs_mask(wide[:, 8:])  # N = 4104: the last vector ends 8 past the storage
+    assert not pm._b_needs_mask(torch.zeros(K, 4088, dtype=torch.float16, device=DEV)[:, 1:])  # rows unaligned
+    assert not pm._b_needs_mask(torch.zeros(4088, K, dtype=torch.float16, device=DEV).t())  # K-major
+
+
+@pytest.mark.parametrize("cols", [slice(8, None), slice(0, 4088)], ids=["masked", "room"])
+def test_b_views_at_the_end_of_their_storage(cols):
+    M, K = 64, 32
+    A, _ = _inputs(M, K, (16,), torch.float16, SEED)
+    B = randn((K, 4112), SEED + 3, scale=K**-0.5).to(DEV, torch.float16)[:, cols]
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (B.shape[1],), torch.float16), kernel="pointer")
+    ref = A.double().cpu() @ B.double().cpu()
+    assert_matmul_close(C, ref, (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
 @pytest.mark.parametrize("W,M", [(2, 64), (4, 96), (3, 90)])
 def test_consumer_chunk_orders(dtype, W, M):
