@@ -284,7 +284,9 @@ def _slow_not_dead_peer(seed, op, path):
             continue
         assert not torch.isnan(out).any(), f"rank {r} call {call}: partly NaN"
         ref = want(call)
-        assert_matmul_close(out, ref, ref.float(), k=3.0, atol=1e-3, what=f"rank {r} call {call}")
+        # k=4 over the bf16 rounding of the exact result: bf16 inputs are exact, the output is
+        # rounded once (all-gather) or its partials once each before the fp32 sum (reduce-scatter).
+        assert_matmul_close(out, ref, ref.to(torch.bfloat16), k=4.0, atol=1e-4, what=f"rank {r} call {call}")
     assert 2 in nan, f"rank {r}: the call that timed out returned values"
     _expect(RuntimeError, lambda: run(3), "timed out")
     return nan
