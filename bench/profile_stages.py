@@ -67,7 +67,8 @@ STAGES = [
     (dispatch.env, "host_timeout_s_or_default"), (P, "check_errors"), (fused, "_begin"),
     (fused, "_ag_run"), (fused, "_rs_run"), (fused, "_reference_layout"), (fused, "_restride"),
     (pm, "persistent_matmul"), (pm, "_launch_tma"), (L, "launch"), (poison, "poison_if_error"),
-    (P, "pull_chunks"), (P, "write_value"), (reference, "all_gather"), (reference, "reduce_scatter"),
+    (P, "pull_chunks"), (P, "write_value"), (P, "finish"), (reference, "all_gather"),
+    (reference, "reduce_scatter"), (fused, "_finish"),
 ]  # fmt: skip
 
 

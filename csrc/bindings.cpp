@@ -9,7 +9,7 @@
 
 #define MPTP_API extern "C" __attribute__((visibility("default")))
 
-MPTP_API int mptp_abi_version() { return 2; }
+MPTP_API int mptp_abi_version() { return 3; }
 MPTP_API const char* mptp_last_error() { return mptp::last_error(); }
 MPTP_API int mptp_ipc_handle_bytes() { return static_cast<int>(mptp::kIpcHandleBytes); }
 
@@ -41,6 +41,17 @@ MPTP_API int mptp_pull_chunks(void* stream, void* const* dsts, const void* const
                               const size_t* bytes, uint32_t* const* flags, uint32_t value, int n,
                               int use_ce) {
   return mptp::pull_chunks(stream, dsts, srcs, bytes, flags, value, n, use_ce);
+}
+MPTP_API int mptp_finish(void* stream, void* const* ptrs, const size_t* bytes, int n,
+                         uint32_t* flags, int nflags, const void* err) {
+  return mptp::finish(stream, ptrs, bytes, n, flags, nflags, err);
+}
+MPTP_API int mptp_copy_guarded(void* stream, void* const* dsts, const void* const* srcs,
+                               const size_t* bytes, int n) {
+  return mptp::copy_guarded(stream, dsts, srcs, bytes, n);
+}
+MPTP_API int mptp_fail_latch(void** latch) {
+  return mptp::fail_latch(reinterpret_cast<int32_t**>(latch));
 }
 MPTP_API int mptp_ce_copies(void* stream) { return mptp::ce_copies(stream); }
 MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {

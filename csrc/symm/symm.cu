@@ -19,6 +19,13 @@ constexpr size_t kGranularity = size_t(2) << 20;
 
 ErrorRecord* g_err_host = nullptr;
 ErrorRecord* g_err_dev = nullptr;
+// Per device: a copy of "a wait of this process has failed" in device memory (fail_latch).
+constexpr int kMaxDevices = 64;
+int32_t* g_latch[kMaxDevices] = {};
+
+__device__ __forceinline__ bool latched(const int32_t* latch) {
+  return *reinterpret_cast<const volatile int32_t*>(latch) != 0;
+}
 
 __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   uint32_t v;
@@ -38,8 +45,13 @@ __device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
 
 // One thread per peer: bump the peer's slot. Counting (not writing an epoch)
 // keeps a captured CUDA graph correct on every replay.
-__global__ void signal_kernel(uint32_t* const* slots, int n) {
+// NOTE: fail-stop. Once a wait of this process has timed out (the error record is set), it
+// signals no peer again: a peer then times out too, instead of pairing this signal with data
+// this process did not write (its guarded writes are skipped as well: copy_guarded, and the
+// producer matmul's guarded stores).
+__global__ void signal_kernel(uint32_t* const* slots, int n, const int32_t* latch) {
   int i = threadIdx.x;
+  if (latched(latch)) return;
   if (i < n && slots[i] != nullptr) red_add_release_sys(slots[i], 1);
 }
 
@@ -48,7 +60,8 @@ __global__ void signal_kernel(uint32_t* const* slots, int n) {
 // replays keep counting. NOTE: it spins only on slots that peers bump and
 // occupies one small block, so it never starves the signaller.
 __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
-                            uint64_t timeout_ns, int channel, int tag, ErrorRecord* err) {
+                            uint64_t timeout_ns, int channel, int tag, ErrorRecord* err,
+                            int32_t* latch) {
   int i = threadIdx.x;
   if (i >= n || !((mask >> i) & 1u)) return;
   uint32_t target = expected[i] + 1;
@@ -56,7 +69,10 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
   uint32_t seen;
   // Signed difference so that counters may wrap around 2^32.
   while (static_cast<int32_t>((seen = ld_acquire_sys(slots + i)) - target) < 0) {
-    if (*reinterpret_cast<volatile int32_t*>(&err->failed)) break;
+    if (*reinterpret_cast<volatile int32_t*>(&err->failed)) {
+      *reinterpret_cast<volatile int32_t*>(latch) = 1;  // failed elsewhere: latched here too
+      break;
+    }
     if (globaltimer() - start > timeout_ns) {
       if (atomicCAS(&err->failed, 0, 1) == 0) {
         err->channel = channel;
@@ -66,6 +82,7 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
         err->tag = tag;
         __threadfence_system();
       }
+      *reinterpret_cast<volatile int32_t*>(latch) = 1;
       break;
     }
     __nanosleep(128);
@@ -73,7 +90,131 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
   expected[i] = target;
 }
 
+struct FinishArgs {
+  unsigned char* ptrs[kMaxFinish];
+  size_t bytes[kMaxFinish];
+  int n;
+  uint32_t* flags;
+  int nflags;
+  const ErrorRecord* err;
+  int32_t* latch;
+};
+
+// One block: thread 0 reads the host-mapped record once (reads of it from many warps queue over
+// PCIe); the tensors are written only when it is set, 16 bytes per store where aligned.
+__global__ void finish_kernel(FinishArgs a) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    failed = *reinterpret_cast<const volatile int32_t*>(&a.err->failed);
+    // A consumer wait (Triton) fills the record only: latch it for the guarded writes that follow.
+    if (failed) *reinterpret_cast<volatile int32_t*>(a.latch) = 1;
+  }
+  __syncthreads();
+  if (failed) {
+    for (int i = 0; i < a.n; ++i) {
+      unsigned char* p = a.ptrs[i];
+      size_t nb = a.bytes[i];
+      size_t head = (16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15;
+      if (head > nb) head = nb;
+      for (size_t j = threadIdx.x; j < head; j += blockDim.x) p[j] = 0xFF;
+      size_t vec = (nb - head) / 16;
+      uint4* q = reinterpret_cast<uint4*>(p + head);
+      const uint4 ones = make_uint4(~0u, ~0u, ~0u, ~0u);
+      for (size_t j = threadIdx.x; j < vec; j += blockDim.x) q[j] = ones;
+      for (size_t j = head + vec * 16 + threadIdx.x; j < nb; j += blockDim.x) p[j] = 0xFF;
+    }
+  }
+  if (threadIdx.x < a.nflags) a.flags[threadIdx.x] = 0;
+}
+
+struct CopyArgs {
+  unsigned char* dsts[kMaxGuardedCopies];
+  const unsigned char* srcs[kMaxGuardedCopies];
+  size_t bytes[kMaxGuardedCopies];
+  const int32_t* latch;
+};
+
+template <typename T>
+__device__ __forceinline__ void copy_words(unsigned char* d, const unsigned char* s, size_t nb,
+                                           size_t first, size_t step) {
+  // d and s equally misaligned for T: bytes up to T's alignment, then T words, then the tail.
+  size_t head = (sizeof(T) - (reinterpret_cast<uintptr_t>(d) & (sizeof(T) - 1))) & (sizeof(T) - 1);
+  if (head > nb) head = nb;
+  for (size_t j = first; j < head; j += step) d[j] = s[j];
+  size_t words = (nb - head) / sizeof(T);
+  T* dw = reinterpret_cast<T*>(d + head);
+  const T* sw = reinterpret_cast<const T*>(s + head);
+  for (size_t j = first; j < words; j += step) dw[j] = sw[j];
+  for (size_t j = head + words * sizeof(T) + first; j < nb; j += step) d[j] = s[j];
+}
+
+// blockIdx.y picks the copy; the blocks of x share it. Each block reads the device latch
+// (device memory: not the host-mapped record, whose reads queue over PCIe, ~1 us each);
+// nothing is written if it is set. 16-byte words where d and s are equally aligned mod 16,
+// 4-byte words where mod 4, else bytes.
+__global__ void copy_guarded_kernel(CopyArgs a) {
+  if (latched(a.latch)) return;
+  unsigned char* d = a.dsts[blockIdx.y];
+  const unsigned char* s = a.srcs[blockIdx.y];
+  size_t nb = a.bytes[blockIdx.y];
+  size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  uintptr_t diff = reinterpret_cast<uintptr_t>(d) ^ reinterpret_cast<uintptr_t>(s);
+  if ((diff & 15) == 0) {
+    copy_words<uint4>(d, s, nb, first, step);
+  } else if ((diff & 3) == 0) {
+    copy_words<uint32_t>(d, s, nb, first, step);
+  } else {
+    for (size_t j = first; j < nb; j += step) d[j] = s[j];
+  }
+}
+
 }  // namespace
+
+int copy_guarded(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
+                 int n) {
+  MPTP_CHECK(n >= 0 && n <= kMaxGuardedCopies, "copy_guarded: n must be in [0, 32]");
+  if (n == 0) return 0;
+  int32_t* latch;
+  MPTP_TRY(fail_latch(&latch));
+  CopyArgs a{};
+  size_t most = 0;
+  for (int i = 0; i < n; ++i) {
+    a.dsts[i] = static_cast<unsigned char*>(dsts[i]);
+    a.srcs[i] = static_cast<const unsigned char*>(srcs[i]);
+    a.bytes[i] = bytes[i];
+    if (bytes[i] > most) most = bytes[i];
+  }
+  a.latch = latch;
+  // About 64 KiB per block, at most 4 blocks per SM of an H100/H200-sized GPU per copy.
+  size_t blocks = (most + 65535) / 65536;
+  unsigned gx = static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 528 ? 528 : blocks));
+  copy_guarded_kernel<<<dim3(gx, n), 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int finish(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
+           int nflags, const void* err) {
+  MPTP_CHECK(n >= 0 && n <= kMaxFinish, "finish: n must be in [0, 8]");
+  MPTP_CHECK(nflags >= 0 && nflags <= 32 && (nflags == 0 || flags != nullptr),
+             "finish: nflags must be in [0, 32], with flags");
+  ErrorRecord *host, *dev;
+  MPTP_TRY(error_record(&host, &dev));
+  FinishArgs a{};
+  for (int i = 0; i < n; ++i) {
+    a.ptrs[i] = static_cast<unsigned char*>(ptrs[i]);
+    a.bytes[i] = bytes[i];
+  }
+  a.n = n;
+  a.flags = flags;
+  a.nflags = nflags;
+  a.err = err != nullptr ? static_cast<const ErrorRecord*>(err) : dev;
+  MPTP_TRY(fail_latch(&a.latch));
+  finish_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
 
 int alloc(size_t bytes, void** ptr, size_t* granted) {
   size_t rounded = (bytes + kGranularity - 1) / kGranularity * kGranularity;
@@ -126,9 +267,30 @@ int error_record(ErrorRecord** host, ErrorRecord** device) {
   return 0;
 }
 
+int fail_latch(int32_t** latch) {
+  static std::mutex mu;
+  int device = 0;
+  MPTP_CUDA_CHECK(cudaGetDevice(&device));
+  MPTP_CHECK(device >= 0 && device < kMaxDevices, "fail_latch: device ordinal out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (g_latch[device] == nullptr) {
+    // NOTE: allocated once per device, never freed (as the error record); first asked for where
+    // a workspace is made, so never inside a CUDA-graph capture.
+    int32_t* p = nullptr;
+    MPTP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), 256));
+    MPTP_CUDA_CHECK(cudaMemset(p, 0, 256));
+    MPTP_CUDA_CHECK(cudaDeviceSynchronize());
+    g_latch[device] = p;
+  }
+  *latch = g_latch[device];
+  return 0;
+}
+
 int signal(void* stream, uint32_t* const* slots_dev, int n) {
   MPTP_CHECK(n > 0 && n <= 32, "signal: n must be in [1, 32]");
-  signal_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots_dev, n);
+  int32_t* latch;
+  MPTP_TRY(fail_latch(&latch));
+  signal_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots_dev, n, latch);
   MPTP_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
@@ -138,8 +300,10 @@ int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_
   MPTP_CHECK(n > 0 && n <= 32, "wait: n must be in [1, 32]");
   ErrorRecord *host, *dev;
   MPTP_TRY(error_record(&host, &dev));
+  int32_t* latch;
+  MPTP_TRY(fail_latch(&latch));
   wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots, expected, n, mask,
-                                                               timeout_ns, channel, tag, dev);
+                                                               timeout_ns, channel, tag, dev, latch);
   MPTP_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -57,6 +57,26 @@ int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const 
 // stream nor capturing), else 0; -1 on a CUDA error.
 int ce_copies(void* stream);
 
+// The end of a fused call, one small kernel on `stream`: if the error record `err` (null: this
+// process's) says a wait timed out, every byte of the n tensors (ptrs[i], bytes[i]; n <= kMaxFinish) becomes 0xFF
+// (NaN in every float dtype); then the nflags (<= 32) int32 flags at `flags` are set to 0 (flags
+// may be null). The host-mapped record is read once, by one thread.
+constexpr int kMaxFinish = 8;
+int finish(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
+           int nflags, const void* err);
+
+// Device copies on `stream` (dsts[i] <- srcs[i], bytes[i]; n <= kMaxGuardedCopies) that write
+// nothing once this process's error record is set: its writes into symmetric memory after a
+// timed-out wait (a slow peer may still read the buffer, or reduce what lands in its own).
+constexpr int kMaxGuardedCopies = 32;
+// This device's fail latch (current device; int32, device memory, zero until a wait of this
+// process fails): set by a failed wait and by finish when the record is set; read by the
+// guarded writes and the signals (fail-stop) instead of the host-mapped record, whose reads
+// queue over PCIe. Allocated on first use (outside capture: at workspace creation), never freed.
+int fail_latch(int32_t** latch);
+int copy_guarded(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
+                 int n);
+
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.
 int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value);

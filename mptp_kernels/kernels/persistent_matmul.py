@@ -92,14 +92,18 @@ def _persistent_matmul_kernel(
     HAS_BIAS: tl.constexpr, A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr,
     RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr,
     FAST_ACCUM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCATTER: tl.constexpr,
-    EVEN_N: tl.constexpr, MASK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, MASK_B: tl.constexpr, GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     # A_SCALE_MODE / B_SCALE_MODE: 0 none, 1 tensor-wise (one float), 2 row-wise (per row / col).
     # RS_MODE, E5M2_INF, SOFT_FP8: FP8 output conversion (epilogue.py).
     # EVEN_N: every N is a multiple of 16, so no vector of the hinted column loads below crosses N.
     # MASK_B: a vector of B's last row could end past B's storage (_b_needs_mask): mask B's columns.
+    # GUARD: store nothing if err_ptr[0] (the device's fail latch) is set when the program starts
+    # (fail-stop: the stores may land in a peer's symmetric buffer; symm.primitives.copy_guarded).
     pid = tl.program_id(0)
+    if GUARD:
+        ok = tl.load(err_ptr, volatile=True) == 0
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
     tiles_b0 = pid_m_per_chunk * tl.cdiv(N0, BLOCK_N)
@@ -195,7 +199,10 @@ def _persistent_matmul_kernel(
         else:
             c_ptrs = Cp + offs_m[:, None] * N + offs_n[None, :]
         out = to_output(acc, Cp.dtype.element_ty, E5M2_INF, SOFT_FP8)
-        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+        if GUARD:
+            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+        else:
+            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
 
         if MODE == 2:
             # Publish the chunk once its last tile is stored (release orders the stores).
@@ -212,7 +219,7 @@ def _persistent_matmul_tma_kernel(
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     """One B (plain or consumer), TMA (tensor-descriptor) loads.
@@ -227,6 +234,8 @@ def _persistent_matmul_tma_kernel(
     arrived); they only feed output rows that the masked store drops.
     """
     pid = tl.program_id(0)
+    if GUARD:  # as in _persistent_matmul_kernel
+        ok = tl.load(err_ptr, volatile=True) == 0
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -276,7 +285,10 @@ def _persistent_matmul_tma_kernel(
             # int64 rows: rows * N passes 2**31 on large outputs.
             c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
-            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+            if GUARD:
+                tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+            else:
+                tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _tma_ok(A, Bs, scatter_to, mode) -> bool:
@@ -437,10 +449,10 @@ def default_error_record(device) -> torch.Tensor:
     return err
 
 
-def _poisoned(outs: List[torch.Tensor], mode: int, err: torch.Tensor) -> List[torch.Tensor]:
+def _poisoned(outs: List[torch.Tensor], mode: int, err: torch.Tensor, poison: bool = True) -> List[torch.Tensor]:
     """Consumer mode: every output becomes NaN if err[0] is set once the launch is done (a wait
-    of this launch or an earlier one of the process timed out)."""
-    if mode == MODE_CONSUMER:
+    of this launch or an earlier one of the process timed out). poison=False: the caller does it."""
+    if mode == MODE_CONSUMER and poison:
         for o in outs:
             poison_if_error(o, err)
     return outs
@@ -470,6 +482,8 @@ def persistent_matmul(
     kernel: str = "auto",
     result_scale: Optional[torch.Tensor] = None,
     tag: int = -1,
+    poison: bool = True,
+    guard: bool = False,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -496,6 +510,13 @@ def persistent_matmul(
         result_scale: one-element float32, torch._scaled_mm's scale_result: applied to FP8
             outputs only (ignored for the others, as torch does), to every B of the call.
         tag: the op's tag (mptp_kernels.symm.register_tag) a timed-out consumer wait records.
+        poison: consumer mode: False leaves the NaN overwrite on error to the caller (the fused ops
+            do it for every output of a call in one launch, symm.primitives.finish).
+        guard: store nothing if err[0] is set when the launch starts (the outputs are another
+            rank's symmetric buffers: after a timed-out wait this rank writes none; fail-stop).
+            Not in consumer mode (err is its waits' record there); pass the device's fail latch
+            (symm.primitives.fail_latch, device memory: a host-mapped record's reads, one per
+            warp, queue over PCIe, ~1 ms per launch measured on an H100).
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -521,6 +542,7 @@ def persistent_matmul(
     dummy_i, dummy_f = _dummy(dev, torch.int32), _dummy(dev)
     flags = flags if flags is not None else dummy_i
     counters = counters if counters is not None else dummy_i
+    assert not (guard and mode == MODE_CONSUMER), "guard: not in consumer mode"
     if err is None:
         err = default_error_record(dev)
     else:
@@ -550,9 +572,9 @@ def persistent_matmul(
     if kernel != "pointer":
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
-                result_scale if result_scale is not None else dummy_f, tag, fp8_out)
+                result_scale if result_scale is not None else dummy_f, tag, fp8_out, guard)
         if not auto:
-            return _poisoned(_launch_tma(*args), mode, err)
+            return _poisoned(_launch_tma(*args), mode, err, poison)
         # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
         # launch the consumer a second time.
         try:
@@ -564,7 +586,7 @@ def persistent_matmul(
             env.log_once(("tma", type(e).__name__), "persistent_matmul: TMA kernel unavailable (%s); "
                          "using the pointer kernel", e)  # fmt: skip
         else:
-            return _poisoned(launched, mode, err)
+            return _poisoned(launched, mode, err, poison)
     results = []
     for g in range(0, len(Bs), MAX_B):
         gB, gC = list(Bs[g : g + MAX_B]), list(outs[g : g + MAX_B])
@@ -595,16 +617,17 @@ def persistent_matmul(
             A_SCALE_MODE=a_mode, B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum,
             INPUT_PRECISION=precision, SCATTER=scatter_to is not None, EVEN_N=all(n % 16 == 0 for n in Np[:nb]),
             MASK_B=any(_b_needs_mask(b) for b in gB),
+            GUARD=guard,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             NUM_SMS=grid[0],
         )  # fmt: skip
         launch(_persistent_matmul_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results += gC
-    return _poisoned(results, mode, err)
+    return _poisoned(results, mode, err, poison)
 
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
-                biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out):
+                biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = A.shape
@@ -626,7 +649,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     ]  # fmt: skip
     constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
-        B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten,
+        B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0],
     )  # fmt: skip

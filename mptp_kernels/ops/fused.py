@@ -21,7 +21,7 @@ workspace hands out one DONE credit per peer when it is created, so the first
 op (also one captured in a CUDA graph) waits like every later one.
 A timed-out wait poisons: once the consumer or the reduction is done, each output of the
 call is overwritten with NaN if the process's error record is set (one read of it per
-output: kernels/poison.py), and the next call raises.
+call: symm.primitives.finish, one launch that also resets the chunk flags), and the next call raises.
 """
 
 import functools
@@ -32,7 +32,6 @@ import torch
 
 from .. import env
 from ..kernels import persistent_matmul as pm
-from ..kernels.poison import poison_if_error
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
@@ -148,11 +147,13 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
 
     _begin(ws, _TAG_AG)
     a_bytes = A2.view(torch.uint8).view(-1) if A2.element_size() == 1 else A2.view(-1)
-    my_slot(rank).view(a_bytes.dtype).copy_(a_bytes)
+    # Into symmetric memory: nothing once a wait has timed out (fail-stop, P.copy_guarded).
+    mine = [(my_slot(rank).view(a_bytes.dtype), a_bytes)]
     chunks[rank].copy_(a_bytes)
     if scale_rows is not None:
-        ws.buffers[rank][off_scale : off_scale + rows * 4].view(torch.float32).copy_(scale_rows)
+        mine.append((ws.buffers[rank][off_scale : off_scale + rows * 4].view(torch.float32), scale_rows))
         scale_full[rank * rows : (rank + 1) * rows].copy_(scale_rows)
+    P.copy_guarded(mine)
     ws.write_value(st.flags[rank], 1)
     ws.put_signal(CH_READY)
     ws.wait_signal(CH_READY, tag=_TAG_AG)
@@ -177,7 +178,8 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     P.pull_chunks([(chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]) for p in peers], 1, stream=st.side)
     ws.put_signal(CH_DONE, stream=st.side)
     kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
-              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev))  # fmt: skip
+              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev),
+              poison=False)  # fmt: skip
     if scaled is None:
         outs2 = pm.persistent_matmul(A_full, Bs, **kw)
     else:
@@ -192,12 +194,20 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     # Join first: every flag write of the side stream has landed before the reset (a consumer
     # that timed out, or had no tile to compute, did not wait for all of them).
     main.wait_stream(st.side)
-    st.flags.zero_()
-    if return_A:  # NOTE: a gathered A whose READY wait timed out holds stale bytes: poison it
-        poison_if_error(A_full, ws.err)
+    # One launch: the outputs (and the gathered A: one whose READY wait timed out holds stale
+    # bytes) become NaN if a wait timed out; then the flags are reset.
+    _finish(ws, [A_full if return_A else None, *outs2], st.flags)
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
     A_ret = A_full.view(*full_lead, K).movedim(0, gather_dim) if return_A else None
     return A_ret, outs
+
+
+def _finish(ws, tensors, flags) -> None:
+    """P.finish over any number of tensors (at most P.MAX_FINISH per launch); flags reset last."""
+    ts = [t for t in tensors if t is not None]
+    step = P.MAX_FINISH
+    for i in range(0, max(len(ts), 1), step):
+        P.finish(ts[i : i + step], ws.err, flags if i + step >= len(ts) else None)
 
 
 def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref=None):
@@ -249,7 +259,8 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
     _begin(ws, _TAG_RS)
     # Slot r of rank c's buffer receives our partial product of chunk c.
     dests = [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)]
-    kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests)
+    # guard: the stores into peers' buffers are skipped once a wait has timed out (fail-stop).
+    kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests, err=ws.latch, guard=True)
     if scaled is None:
         pm.persistent_matmul(A2, [B], **kw)
     else:
@@ -265,7 +276,8 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
     sc_lead.insert(0, sc_lead.pop(scatter_dim))
     sc_lead[0] //= W
     out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
+    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
     ws.put_signal(CH_DONE)
     out = out.view(*sc_lead, N).movedim(0, scatter_dim)
     return out.contiguous() if scatter_dim else out
@@ -286,19 +298,20 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
         cols = slice(c * Nc, (c + 1) * Nc)
         dest = ws.buffers[c][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)[rank]
         if scaled is None:
-            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest])
+            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest], err=ws.latch, guard=True)
         else:
             A_scale, B_scale, bias, _, fast = scaled
             a_s = A_scale.float() if A_scale.numel() == 1 else A_scale.reshape(-1).float()
             b_s = B_scale.float() if B_scale.numel() == 1 else B_scale.reshape(-1)[cols].float()
-            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest], A_scale=a_s, B_scales=[b_s],
+            pm.persistent_matmul(A2, [B[:, cols]], outs=[dest], err=ws.latch, guard=True, A_scale=a_s, B_scales=[b_s],
                                  biases=[bias[cols]] if bias is not None else None, out_dtype=out_dtype,
                                  fast_accum=fast)  # fmt: skip
     ws.put_signal(CH_READY)
     ws.wait_signal(CH_READY, tag=_TAG_RS)
     mine = ws.buffers[rank][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)
     out = torch.empty(M, Nc, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0, err=ws.err)
+    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
+    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
     ws.put_signal(CH_DONE)
     return out.view(*out_shape[:-1], Nc)
 

@@ -146,8 +146,6 @@ class SymmTransport:
         self.ws = ws
 
     def all_gather(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-        from ..kernels.poison import poison_if_error
-
         ws, r = self.ws, self.ws.rank
         src = _as_bytes(t)
         n = src.numel()
@@ -157,18 +155,17 @@ class SymmTransport:
             ws.captured = True
         ws.check()
         ws.wait_signal(P.CH_DONE, tag=_TAG)
-        ws.buffers[r][:n].copy_(src)
+        P.copy_guarded([(ws.buffers[r][:n], src)])  # nothing once a wait has timed out (fail-stop)
         ws.put_signal(P.CH_READY)
         ws.wait_signal(P.CH_READY, tag=_TAG)
         copies = [(out[p], src if p == r else ws.buffers[p][:n], None) for p in range(W)]
         P.pull_chunks(copies)
         ws.put_signal(P.CH_DONE)
-        poison_if_error(out, ws.err)
+        P.finish([out], ws.err)  # NaN if a wait timed out
         return out.view(t.dtype).view(W * t.shape[0], *t.shape[1:]) if t.dim() else out.view(t.dtype)
 
     def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
         """t: [W * c, ...] contiguous; returns the sum over ranks of chunk `rank` ([c, ...], t's dtype)."""
-        from ..kernels.poison import poison_if_error
         from ..kernels.reduce import reduce_partials
 
         ws, r = self.ws, self.ws.rank
@@ -180,8 +177,9 @@ class SymmTransport:
             ws.captured = True
         ws.check()
         ws.wait_signal(P.CH_DONE, tag=_TAG)
-        # Slot r of rank c's buffer receives my chunk c (copy engine, over the peer mapping).
-        P.pull_chunks([(ws.buffers[c][r * n : (r + 1) * n], chunks[c], None) for c in range(W)])
+        # Slot r of rank c's buffer receives my chunk c (over the peer mapping); nothing once a
+        # wait has timed out (fail-stop: a slow peer may still be reducing its slots).
+        P.copy_guarded([(ws.buffers[c][r * n : (r + 1) * n], chunks[c]) for c in range(W)])
         ws.put_signal(P.CH_READY)
         ws.wait_signal(P.CH_READY, tag=_TAG)
         mine = ws.buffers[r][: W * n].view(t.dtype).view(W, -1)
@@ -195,5 +193,5 @@ class SymmTransport:
                 out += mine[p]
             out = out.view(out_shape)
         ws.put_signal(P.CH_DONE)
-        poison_if_error(out, ws.err)
+        P.finish([out], ws.err)  # NaN if a wait timed out
         return out

@@ -11,7 +11,7 @@ from typing import Optional
 
 # The C ABI this Python code calls (csrc/bindings.cpp mptp_abi_version); an extension built from
 # other sources is refused rather than called with the wrong arguments.
-ABI_VERSION = 2
+ABI_VERSION = 3
 _lib = None
 _why: Optional[str] = None
 
@@ -49,6 +49,9 @@ def _declare(lib) -> None:
             [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_uint32, c.c_int, c.c_int],
         ),
         "mptp_ce_copies": (c.c_int, [c.c_void_p]),
+        "mptp_fail_latch": (c.c_int, [c.POINTER(c.c_void_p)]),
+        "mptp_copy_guarded": (c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int]),
+        "mptp_finish": (c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p]),
         "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
     }

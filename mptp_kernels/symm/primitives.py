@@ -336,6 +336,7 @@ class SymmetricMemory:
         self.buffer_ptrs = torch.tensor(buf_ptrs, dtype=torch.int64, device=device)
         host, dev = _ErrorRecord.pointers()
         self.err = tensor_at(dev, 24, device).view(torch.int32)
+        self.latch = fail_latch(device)
         self._init_signals()
         self._init_op_state()
         self._self_check()
@@ -487,6 +488,74 @@ def pull_chunks(copies, value: int = 1, stream=None) -> None:
     use_ce = 1 if env.ce_copies_enabled() else 0
     _C.check(_lib().mptp_pull_chunks(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, flags,
                                      value & 0xFFFFFFFF, n, use_ce), "pull_chunks")  # fmt: skip
+
+
+_LATCHES: dict = {}
+
+
+def fail_latch(device: torch.device) -> torch.Tensor:
+    """The device's fail latch, int32[64] in device memory (element 0; csrc/symm/symm.h):
+    nonzero once a wait of this process has failed (set by the failed wait, or by the end of a
+    call that finds the error record set). Guarded writes read it (`guard` of the matmul)."""
+    t = _LATCHES.get(device)
+    if t is None:
+        p = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            _C.check(_lib().mptp_fail_latch(ctypes.byref(p)), "mptp_fail_latch")
+        t = _LATCHES[device] = tensor_at(p.value, 256, device).view(torch.int32)
+    return t
+
+
+MAX_GUARDED_COPIES = 32  # csrc/symm/symm.h kMaxGuardedCopies
+
+
+def copy_guarded(copies, stream=None) -> None:
+    """Stream-ordered device copies (one small kernel) that write nothing once a wait of this
+    process has failed (the device's fail latch is set): every write of a call into symmetric
+    memory goes through it.
+
+    NOTE: fail-stop. After a timed-out wait a peer may be slow, not dead: it may still read this
+    rank's buffer, or reduce what this rank wrote into its own, for the call it is still in.
+    A failed rank so writes nothing more into symmetric memory and signals nobody (csrc
+    signal_kernel): its peers time out (NaN, then an error) instead of taking its next call's
+    data for their current one.
+
+    Args:
+        copies: list of (dst, src), same-sized contiguous device tensors (either may be a
+            peer's mapped buffer).
+    """
+    n = len(copies)
+    if n == 0:
+        return
+    assert n <= MAX_GUARDED_COPIES and all(d.is_contiguous() and s.is_contiguous() for d, s in copies)
+    stream = stream or torch.cuda.current_stream()
+    P = ctypes.c_void_p * n
+    dsts = P(*[d.data_ptr() for d, _ in copies])
+    srcs = P(*[s.data_ptr() for _, s in copies])
+    sizes = (ctypes.c_size_t * n)(*[d.numel() * d.element_size() for d, _ in copies])
+    assert all(d.numel() * d.element_size() == s.numel() * s.element_size() for d, s in copies)
+    _C.check(_lib().mptp_copy_guarded(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, n), "copy_guarded")
+
+
+MAX_FINISH = 8  # csrc/symm/symm.h kMaxFinish
+_PTRS, _SIZES = ctypes.c_void_p * MAX_FINISH, ctypes.c_size_t * MAX_FINISH
+
+
+def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, stream=None) -> None:
+    """The end of a fused call, one small kernel: every tensor (contiguous, at most 8) becomes
+    all-ones bytes (NaN in every float dtype) if err[0] (an error record) is set, then `flags`
+    (int32, at most 32) is zeroed. Stream-ordered; the record is read once."""
+    ts = [t for t in tensors if t is not None and t.numel() > 0]
+    assert len(ts) <= MAX_FINISH and all(t.is_contiguous() for t in ts)
+    n = len(ts)
+    ptrs = _PTRS(*[t.data_ptr() for t in ts])
+    sizes = _SIZES(*[t.numel() * t.element_size() for t in ts])
+    nflags = 0 if flags is None else flags.numel()
+    assert flags is None or (flags.dtype == torch.int32 and flags.is_contiguous() and nflags <= 32)
+    stream = stream or torch.cuda.current_stream()
+    _C.check(_lib().mptp_finish(ctypes.c_void_p(stream.cuda_stream), ptrs, sizes, n,
+                                ctypes.c_void_p(flags.data_ptr() if nflags else None), nflags,
+                                ctypes.c_void_p(err.data_ptr())), "finish")  # fmt: skip
 
 
 def ce_copies(stream=None) -> bool:

@@ -232,6 +232,77 @@ def test_timed_out_call_returns_nan_and_the_next_call_raises(op):
     assert msgs[0] is not None
 
 
+def _slow_not_dead_peer(seed, op, path):
+    """Rank 1's GPU stalls past the timeout between its READY wait and its reads of the call's
+    data (contention, not death), while rank 0's next call times out waiting for it. Rank 0 must
+    then write nothing into symmetric memory (fail-stop): rank 1 still reads rank 0's buffer, or
+    reduces what rank 0 writes into its own, for the older call. Every output of every rank is
+    either right for its own call or NaN, never another call's data; then both ranks raise."""
+    from mptp_kernels.symm import primitives as P
+
+    if path == "reference":
+        os.environ["MPTP_DISABLE_FUSED"] = "1"
+        os.environ.pop("MPTP_FORCE_FUSED", None)
+    W, r = dist.get_world_size(), dist.get_rank()
+    B = randn((256, 256), seed + 9, scale=1 / 16).to("cuda", torch.bfloat16)
+
+    def inputs(call, rank):
+        return randn((256, 256), seed + 1000 * call + rank).to("cuda", torch.bfloat16)
+
+    def run(call):
+        A = inputs(call, r)
+        if op == "ag":
+            return torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, _g())[1][0]
+        return torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, _g())
+
+    def want(call):
+        As = [inputs(call, p).double() for p in range(W)]
+        if op == "ag":
+            return torch.cat(As) @ B.double()
+        return sum(a @ B.double() for a in As).chunk(W)[r]
+
+    run(0)  # creates the workspace
+    torch.cuda.synchronize()
+    dist.barrier()
+    if r == 1:
+        orig = P.SymmetricMemory.wait_signal
+
+        def slow(self, channel, peers=None, tag=0, stream=None):
+            orig(self, channel, peers, tag, stream)
+            if channel == P.CH_READY:
+                P.SymmetricMemory.wait_signal = orig
+                torch.cuda._sleep(int(8e9))  # ~4-5 s of GPU cycles, after READY, before the reads
+
+        P.SymmetricMemory.wait_signal = slow
+    outs = [run(1), run(2)]
+    torch.cuda.synchronize()
+    nan = []
+    for call, out in zip((1, 2), outs):
+        out = out.float().cpu()
+        if torch.isnan(out).all():
+            nan.append(call)
+            continue
+        assert not torch.isnan(out).any(), f"rank {r} call {call}: partly NaN"
+        ref = want(call)
+        # k=4 over the bf16 rounding of the exact result: bf16 inputs are exact, the output is
+        # rounded once (all-gather) or its partials once each before the fp32 sum (reduce-scatter).
+        assert_matmul_close(out, ref, ref.to(torch.bfloat16), k=4.0, atol=1e-4, what=f"rank {r} call {call}")
+    assert 2 in nan, f"rank {r}: the call that timed out returned values"
+    _expect(RuntimeError, lambda: run(3), "timed out")
+    return nan
+
+
+@pytest.mark.parametrize("op,path", [("ag", "fused"), ("rs", "fused"), ("ag", "reference"), ("rs", "reference")])
+def test_a_slow_peer_never_reads_the_next_call_data(op, path):
+    w = Workers(2, backend="gloo", env={**ENV, "MPTP_TIMEOUT_S": "2"})
+    try:
+        w.run(_enable)
+        nan = w.run(_slow_not_dead_peer, SEED, op, path, timeout_s=150)
+    finally:
+        w.close()
+    assert nan[0] == [2], nan  # rank 0: its first call ran before the stall
+
+
 def _watchdog_abort(seed):
     W, r = dist.get_world_size(), dist.get_rank()
     A = randn((256, 256), seed + r).to("cuda", torch.bfloat16)

@@ -164,6 +164,30 @@ def test_b_views_at_the_end_of_their_storage(cols):
     assert_matmul_close(C, ref, (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel,scatter", [("pointer", True), ("pointer", False), ("tma", False), ("tma_flat", False)])
+@pytest.mark.parametrize("failed", [0, 1])
+def test_guarded_stores_skip_everything_once_the_error_record_is_set(kernel, scatter, failed):
+    """guard=True: a launch that starts with the error record set stores nothing (its outputs may
+    be peers' symmetric buffers that a slow peer still reads: fail-stop); with it clear, all."""
+    W, M, K, N = 3, 96, 32, 40
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    err = torch.tensor([failed, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEV)
+    sentinel = 7.0
+    if scatter:
+        dests = [torch.full((M // W, N), sentinel, device=DEV, dtype=torch.float16) for _ in range(W)]
+        order = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEV)
+        pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, err=err, guard=True)
+        C = torch.cat(dests)
+    else:
+        (C,) = pm.persistent_matmul(A, [B], outs=[torch.full((M, N), sentinel, device=DEV, dtype=torch.float16)],
+                                    err=err, guard=True, kernel=kernel)  # fmt: skip
+    if failed:
+        assert torch.all(C == sentinel), "a guarded launch stored with the error record set"
+    else:
+        ref = A.double().cpu() @ B.double().cpu()
+        assert_matmul_close(C, ref, (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
 @pytest.mark.parametrize("W,M", [(2, 64), (4, 96), (3, 90)])
 def test_consumer_chunk_orders(dtype, W, M):
