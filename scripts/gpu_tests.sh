@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build, then GPU test groups in parallel (they share the GPU), logs to $OUT.
-# Usage: GROUP_A="dist/test_safety_gpu.py -k '\"a or b\"'" GROUP_B="kernels" bash scripts/gpu_tests.sh (each group is eval'd)
+# Usage: GROUP_A="dist/test_safety_gpu.py -k 'a or b'" GROUP_B="kernels" bash scripts/gpu_tests.sh (each group is
+# eval'd: single quotes inside the double ones keep the -k expression one argument; '\"a or b\"' passes
+# the double quotes to pytest, which refuses the expression: seen on the H100, 2026-12-05)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
