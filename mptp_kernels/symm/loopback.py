@@ -57,7 +57,6 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self.buffer_ptrs = torch.tensor(self._buf_ptrs, dtype=torch.int64, device=device)
         _, dev = P._ErrorRecord.pointers()
         self.err = P.tensor_at(dev, 24, device).view(torch.int32)
-        self.latch = P.fail_latch(device)
         self._init_signals()
         self._init_op_state()
 

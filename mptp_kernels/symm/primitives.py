@@ -336,11 +336,15 @@ class SymmetricMemory:
         self.buffer_ptrs = torch.tensor(buf_ptrs, dtype=torch.int64, device=device)
         host, dev = _ErrorRecord.pointers()
         self.err = tensor_at(dev, 24, device).view(torch.int32)
-        self.latch = fail_latch(device)
         self._init_signals()
         self._init_op_state()
         self._self_check()
         _Watchdog.start()
+
+    @property
+    def latch(self) -> torch.Tensor:
+        """This device's fail latch (fail_latch): guarded writes of a call read it."""
+        return fail_latch(self.device)
 
     def _init_op_state(self) -> None:
         W, r, dev = self.world_size, self.rank, self.device
