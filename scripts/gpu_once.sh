@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call within a time budget (BUDGET_S, default 570): build; the GPU test groups in
 # parallel (GROUP_A/B/C, as scripts/gpu_tests.sh); then, one after another while time is left,
-# the host time per stage (profile_stages.py), the cost model's check (check_cost_model.py) and
+# the host time per stage (profile_stages.py; a py-spy profile too where .whl/py-spy is carried), the cost model's check (check_cost_model.py) and
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files).
@@ -23,6 +23,13 @@ step() {  # step NAME MAX_S LOG CMD...
 }
 step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
 grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
+  for c in "ag fused" "rs fused" "ag reference" "ag8 fused"; do set -- $c
+    step "spy_$1_$2" 45 "spy_$1_$2.log" .whl/py-spy record -r 500 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
+      python3 bench/spy_loop.py --op "$1" --path "$2" --seconds 8
+    tail -2 "$OUT/bench/spy_$1_$2.log"
+  done
+fi
 step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
 grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 step cost_model 220 cost_model.txt python3 bench/check_cost_model.py
