@@ -247,16 +247,21 @@ def _slow_not_dead_peer(seed, op, path):
     B = randn((256, 256), seed + 9, scale=1 / 16).to("cuda", torch.bfloat16)
 
     def inputs(call, rank):
-        return randn((256, 256), seed + 1000 * call + rank).to("cuda", torch.bfloat16)
+        return randn((256, 256), seed + 1000 * call + rank).to(torch.bfloat16)
+
+    # NOTE: on the GPU before the stall: a copy from pageable host memory waits for the stream, so
+    # rank 1's host would stall with its GPU and miss call 2's host rendezvous (a PeerTimeout,
+    # seen on the H100), where the GPU-side waits are what this test is about.
+    A_of = [inputs(call, r).cuda() for call in range(4)]
 
     def run(call):
-        A = inputs(call, r)
+        A = A_of[call]
         if op == "ag":
             return torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, _g())[1][0]
         return torch.ops.mptp.fused_matmul_reduce_scatter(A, B, "sum", 0, _g())
 
     def want(call):
-        As = [inputs(call, p).double() for p in range(W)]
+        As = [inputs(call, p).double() for p in range(W)]  # CPU only: no wait for the GPU
         if op == "ag":
             return torch.cat(As) @ B.double()
         return sum(a @ B.double() for a in As).chunk(W)[r]
