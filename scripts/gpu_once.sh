@@ -24,8 +24,8 @@ step() {  # step NAME MAX_S LOG CMD...
 step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
 grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
 if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
-  for c in "ag fused" "rs fused" "ag reference" "ag8 fused"; do set -- $c
-    step "spy_$1_$2" 45 "spy_$1_$2.log" .whl/py-spy record -r 500 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
+  for c in ${SPY:-"ag:fused"}; do set -- ${c/:/ }
+    step "spy_$1_$2" 50 "spy_$1_$2.log" .whl/py-spy record --nonblocking -r 200 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
       python3 bench/spy_loop.py --op "$1" --path "$2" --seconds 8
     tail -2 "$OUT/bench/spy_$1_$2.log"
   done

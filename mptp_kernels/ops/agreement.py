@@ -133,8 +133,23 @@ def _pretty(name: str, v: int) -> str:
     return str(v)
 
 
+_RESOLVED: dict = {}  # payloads -> (fuse, need) of an agreeing call: a pure function of the payloads
+
+
 def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int]:
     """Returns (fuse, need) identically on every rank, or raises the same ValueError on every rank."""
+    key = tuple(payloads)
+    hit = _RESOLVED.get(key)
+    if hit is not None:  # NOTE: only agreeing calls are cached; a disagreement is decoded each time
+        return hit
+    out = _resolve(call, payloads, rank, group_name)
+    if len(_RESOLVED) >= 256:
+        _RESOLVED.clear()
+    _RESOLVED[key] = out
+    return out
+
+
+def _resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int]:
     ds = [decode(p) for p in payloads]
     bad = [(p, d.error) for p, d in enumerate(ds) if d.error]
     if bad:

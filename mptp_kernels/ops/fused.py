@@ -122,62 +122,75 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         return A_ret, outs
     rank = ws.rank
     K = A.shape[-1]
-    A2 = A.movedim(gather_dim, 0).contiguous().view(-1, K)
+    # NOTE: the host cost of a call is mostly the number of torch calls made from Python (each
+    # several microseconds): the common case takes no view, and the transfers below are issued
+    # on raw addresses and stream handles.
+    plain = gather_dim == 0 and A.dim() == 2 and A.is_contiguous()
+    if plain:
+        A2 = A
+        full_lead = [A.shape[0] * W]
+    else:
+        Am = A.movedim(gather_dim, 0)
+        A2 = Am.contiguous().view(-1, K)
+        full_lead = list(Am.shape[:-1])
+        full_lead[0] *= W
     rows = A2.shape[0]
-    full_lead = list(A.movedim(gather_dim, 0).shape[:-1])
-    full_lead[0] *= W
     dev = A.device
     scale_rows = None
-    nbytes = A2.numel() * A2.element_size()
+    a_bytes = rows * K * A2.element_size()
+    nbytes = a_bytes
+    off_scale = math.ceil(a_bytes / 256) * 256
     if scaled is not None and scaled[1] == validate.ScaleMode.ROW_WISE_SHARDED:
         scale_rows = scaled[0].movedim(gather_dim, 0).contiguous().view(-1).float()
-        nbytes = math.ceil(nbytes / 256) * 256 + rows * 4
+        nbytes = off_scale + rows * 4
     assert nbytes <= ws.nbytes, (nbytes, ws.nbytes)
-    st = ws
     main = torch.cuda.current_stream(dev)
+    side = ws.side
+    main_h, side_h = main.cuda_stream, side.cuda_stream
     A_full = torch.empty(W * rows, K, device=dev, dtype=A.dtype)
-    chunks = list(A_full.view(torch.uint8).view(W, -1).unbind(0)) if A.element_size() == 1 else list(A_full.view(W, -1).unbind(0))
+    af = A_full.data_ptr()
     scale_full = torch.empty(W * rows, device=dev, dtype=torch.float32) if scale_rows is not None else None
-    off_scale = math.ceil(A2.numel() * A2.element_size() / 256) * 256
-
-    def my_slot(p):
-        buf = ws.buffers[p]
-        n = A2.numel() * A2.element_size()
-        return buf[:n]
+    bufs = ws._buf_ptrs  # rank p's buffer as mapped here; this rank's shard at its start
+    flag0 = ws.flags.data_ptr()  # int32 chunk flags
+    fork, scales_in, join = _events(ws)
 
     _begin(ws, _TAG_AG)
-    a_bytes = A2.view(torch.uint8).view(-1) if A2.element_size() == 1 else A2.view(-1)
-    # Into symmetric memory: nothing once a wait has timed out (fail-stop, P.copy_guarded).
-    mine = [(my_slot(rank).view(a_bytes.dtype), a_bytes)]
-    chunks[rank].copy_(a_bytes)
+    # This rank's shard into its symmetric buffer and into its chunk of A_full (and the row
+    # scales likewise), one launch that writes nothing once a wait has timed out (fail-stop;
+    # the outputs and A_full are NaN then).
+    src = A2.data_ptr()
+    dsts, srcs, sizes = [bufs[rank], af + rank * a_bytes], [src, src], [a_bytes, a_bytes]
     if scale_rows is not None:
-        mine.append((ws.buffers[rank][off_scale : off_scale + rows * 4].view(torch.float32), scale_rows))
-        scale_full[rank * rows : (rank + 1) * rows].copy_(scale_rows)
-    P.copy_guarded(mine)
-    ws.write_value(st.flags[rank], 1)
-    ws.put_signal(CH_READY)
-    ws.wait_signal(CH_READY, tag=_TAG_AG)
-    st.side.wait_stream(main)
+        sr = scale_rows.data_ptr()
+        dsts += [bufs[rank] + off_scale, scale_full.data_ptr() + rank * rows * 4]
+        srcs += [sr, sr]
+        sizes += [rows * 4, rows * 4]
+    P.copy_guarded_at(main_h, dsts, srcs, sizes)
+    P.write_value_at(flag0 + 4 * rank, 1, main_h)
+    ws.put_signal(CH_READY, stream=main)
+    ws.wait_signal(CH_READY, tag=_TAG_AG, stream=main)
+    fork.record(main)
+    side.wait_event(fork)
     # NOTE: recorded before anything can raise: a call that fails below must not hand A_full
     # back to the allocator while the side stream's copies still land in it.
-    A_full.record_stream(st.side)
+    A_full.record_stream(side)
     if scale_full is not None:
-        scale_full.record_stream(st.side)
+        scale_full.record_stream(side)
     peers = [(rank + i) % W for i in range(1, W)]
     if scale_rows is not None:
         # NOTE: the row scales are pulled first, and the consumer is launched only after them
         # (an event): it holds every SM and spins on chunk flags only, so nothing it waits for
         # may queue behind it, and a small device-to-device copy may be run by a kernel.
-        scales = [(scale_full[p * rows : (p + 1) * rows],
-                   ws.buffers[p][off_scale : off_scale + rows * 4].view(torch.float32), None) for p in peers]  # fmt: skip
-        P.pull_chunks(scales, 1, stream=st.side)
-        scales_in = torch.cuda.Event()
-        scales_in.record(st.side)
+        sf = scale_full.data_ptr()
+        P.pull_at(side_h, [sf + p * rows * 4 for p in peers], [bufs[p] + off_scale for p in peers],
+                  [rows * 4] * len(peers), [None] * len(peers))  # fmt: skip
+        scales_in.record(side)
         main.wait_event(scales_in)
     # One call: W-1 copy-engine pulls, each followed by its chunk flag (memop).
-    P.pull_chunks([(chunks[p], my_slot(p).view(chunks[p].dtype), st.flags[p]) for p in peers], 1, stream=st.side)
-    ws.put_signal(CH_DONE, stream=st.side)
-    kw = dict(num_chunks=W, order=st.ag_order, flags=st.flags, epoch=1, mode=pm.MODE_CONSUMER,
+    P.pull_at(side_h, [af + p * a_bytes for p in peers], [bufs[p] for p in peers], [a_bytes] * len(peers),
+              [flag0 + 4 * p for p in peers])  # fmt: skip
+    ws.put_signal(CH_DONE, stream=side)
+    kw = dict(num_chunks=W, order=ws.ag_order, flags=ws.flags, epoch=1, mode=pm.MODE_CONSUMER,
               timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev),
               poison=False)  # fmt: skip
     if scaled is None:
@@ -193,13 +206,38 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
     # Join first: every flag write of the side stream has landed before the reset (a consumer
     # that timed out, or had no tile to compute, did not wait for all of them).
-    main.wait_stream(st.side)
+    join.record(side)
+    main.wait_event(join)
     # One launch: the outputs (and the gathered A: one whose READY wait timed out holds stale
     # bytes) become NaN if a wait timed out; then the flags are reset.
-    _finish(ws, [A_full if return_A else None, *outs2], st.flags)
+    _finish(ws, [A_full if return_A else None, *outs2], ws.flags)
+    if plain:
+        return (A_full if return_A else None), outs2
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
     A_ret = A_full.view(*full_lead, K).movedim(0, gather_dim) if return_A else None
     return A_ret, outs
+
+
+def _events(ws):
+    """The workspace's fork, row-scale and join events (reused: a wait takes the event's latest
+    record at the time it is enqueued, and the dispatcher runs one call of a group at a time)."""
+    evs = ws.__dict__.get("_events")
+    if evs is None:
+        evs = ws._events = tuple(torch.cuda.Event() for _ in range(3))
+    return evs
+
+
+def _views(ws, key, make):
+    """Views of the workspace's buffers, cached per workspace (the buffers live as long as it)."""
+    cache = ws.__dict__.get("_views")
+    if cache is None:
+        cache = ws._views = {}
+    v = cache.get(key)
+    if v is None:
+        if len(cache) >= 64:
+            cache.clear()
+        v = cache[key] = make()
+    return v
 
 
 def _finish(ws, tensors, flags) -> None:
@@ -254,11 +292,14 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
     M = A2.shape[0]
     Mc = M // W
     out_dtype = A.dtype if scaled is None else scaled[3]
-    elem = torch.empty((), dtype=out_dtype).element_size()
+    elem = out_dtype.itemsize
     assert W * Mc * N * elem <= ws.nbytes, (W * Mc * N * elem, ws.nbytes)
     _begin(ws, _TAG_RS)
-    # Slot r of rank c's buffer receives our partial product of chunk c.
-    dests = [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)]
+    # Slot r of rank c's buffer receives our partial product of chunk c; mine holds every slot
+    # of this rank's buffer (cached views: the buffers live as long as the workspace).
+    dests, mine = _views(ws, ("rs", Mc, N, out_dtype), lambda: (
+        [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)],
+        ws.buffers[rank][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)))  # fmt: skip
     # guard: the stores into peers' buffers are skipped once a wait has timed out (fail-stop).
     kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests, err=ws.latch, guard=True)
     if scaled is None:
@@ -271,14 +312,15 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
                              fast_accum=fast, **kw)  # fmt: skip
     ws.put_signal(CH_READY)
     ws.wait_signal(CH_READY, tag=_TAG_RS)
-    mine = ws.buffers[rank][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)
-    sc_lead = list(lead)
-    sc_lead.insert(0, sc_lead.pop(scatter_dim))
-    sc_lead[0] //= W
     out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
     reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
     _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
     ws.put_signal(CH_DONE)
+    if len(lead) == 1:  # a 2-D A scattered along its rows: out is the result
+        return out
+    sc_lead = list(lead)
+    sc_lead.insert(0, sc_lead.pop(scatter_dim))
+    sc_lead[0] //= W
     out = out.view(*sc_lead, N).movedim(0, scatter_dim)
     return out.contiguous() if scatter_dim else out
 
@@ -290,7 +332,7 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
     A2 = A.reshape(-1, K)
     M, Nc = A2.shape[0], N // W
     out_dtype = A.dtype if scaled is None else scaled[3]
-    elem = torch.empty((), dtype=out_dtype).element_size()
+    elem = out_dtype.itemsize
     assert W * M * Nc * elem <= ws.nbytes, (W * M * Nc * elem, ws.nbytes)
     _begin(ws, _TAG_RS)
     for i in range(W):

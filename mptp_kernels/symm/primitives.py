@@ -390,35 +390,50 @@ class SymmetricMemory:
         self._slot_table = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self._expected = torch.zeros(NUM_CHANNELS, W, dtype=torch.int32, device=self.device)
 
-    def _stream(self, stream):
-        return ctypes.c_void_p((stream or torch.cuda.current_stream(self.device)).cuda_stream)
+    def _stream(self, stream) -> int:
+        """The raw handle of `stream`, or of the device's current stream (no Stream object made)."""
+        if stream is not None:
+            return stream.cuda_stream
+        return raw_stream(self.device)
+
+    def _signal_ptrs(self):
+        """(slot table, expected counters) device addresses: per-call signals touch no tensor."""
+        ptrs = self.__dict__.get("_sig_ptrs")
+        if ptrs is None:
+            ptrs = self._sig_ptrs = (self._slot_table.data_ptr(), self._expected.data_ptr())
+        return ptrs
 
     def put_signal(self, channel: int, peers=None, stream=None) -> None:
         """Bumps slot [channel][self.rank] in each peer's pad, after earlier stream work."""
-        if self.world_size == 1:
+        W = self.world_size
+        if W == 1:
             return
-        table = self._slot_table[channel]
         if peers is not None:
-            keep = torch.zeros(self.world_size, dtype=torch.bool)
+            table = self._slot_table[channel]
+            keep = torch.zeros(W, dtype=torch.bool)
             keep[list(peers)] = True
-            table = torch.where(keep.to(self.device), table, 0)
-        _C.check(_lib().mptp_signal(self._stream(stream), ctypes.c_void_p(table.data_ptr()),
-                                    self.world_size), "put_signal")  # fmt: skip
+            ptr = torch.where(keep.to(self.device), table, 0)
+            rc = _lib().mptp_signal(self._stream(stream), ptr.data_ptr(), W)
+        else:  # row `channel` of the [NUM_CHANNELS, W] int64 table
+            rc = _lib().mptp_signal(self._stream(stream), self._signal_ptrs()[0] + channel * W * 8, W)
+        _C.check(rc, "put_signal")
 
     def wait_signal(self, channel: int, peers=None, tag: int = 0, stream=None) -> None:
         """Blocks the stream until each peer in `peers` (default all) signalled `channel` once more."""
-        if self.world_size == 1:
+        W = self.world_size
+        if W == 1:
             return
-        peers = range(self.world_size) if peers is None else peers
-        mask = 0
-        for p in peers:
-            if p != self.rank:
-                mask |= 1 << p
-        base = self._pad_ptrs[self.rank] + channel * self.world_size * 4
-        exp = self._expected[channel]
-        _C.check(_lib().mptp_wait(
-            self._stream(stream), ctypes.c_void_p(base), ctypes.c_void_p(exp.data_ptr()),
-            self.world_size, mask, int(env.timeout_s() * 1e9), channel, tag), "wait_signal")  # fmt: skip
+        if peers is None:
+            mask = ((1 << W) - 1) & ~(1 << self.rank)
+        else:
+            mask = 0
+            for p in peers:
+                if p != self.rank:
+                    mask |= 1 << p
+        base = self._pad_ptrs[self.rank] + channel * W * 4
+        exp = self._signal_ptrs()[1] + channel * W * 4  # row `channel` of the [NUM_CHANNELS, W] int32 counters
+        _C.check(_lib().mptp_wait(self._stream(stream), base, exp, W, mask, int(env.timeout_s() * 1e9),
+                                  channel, tag), "wait_signal")  # fmt: skip
 
     def barrier(self, channel: int = CH_BARRIER, tag: int = 0, stream=None) -> None:
         """Stream-ordered barrier across the group (see the module docstring)."""
@@ -461,11 +476,43 @@ class SymmetricMemory:
             self.rendezvous.close()
 
 
+def raw_stream(device: torch.device) -> int:
+    """The raw handle of the current stream of `device` (of the current device where it has no
+    index), without making a Stream object."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 def write_value(flag: torch.Tensor, value: int, stream=None) -> None:
     """cuStreamWriteValue32 of `value` into the int32 element `flag`, stream-ordered, no SM used."""
-    stream = stream or torch.cuda.current_stream(flag.device)
-    _C.check(_lib().mptp_write_value(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(flag.data_ptr()),
-                                     value & 0xFFFFFFFF), "write_value")  # fmt: skip
+    write_value_at(flag.data_ptr(), value, stream.cuda_stream if stream is not None else raw_stream(flag.device))
+
+
+def write_value_at(addr: int, value: int, stream: int) -> None:
+    """write_value into the int32 at device address `addr`, on the raw stream handle `stream`."""
+    _C.check(_lib().mptp_write_value(stream, addr, value & 0xFFFFFFFF), "write_value")
+
+
+def pull_at(stream: int, dsts, srcs, sizes, flags, value: int = 1) -> None:
+    """pull_chunks on raw addresses: lists of ints (flags: int or None each), raw stream handle."""
+    n = len(dsts)
+    if n == 0:
+        return
+    P = ctypes.c_void_p * n
+    use_ce = 1 if env.ce_copies_enabled() else 0
+    _C.check(_lib().mptp_pull_chunks(stream, P(*dsts), P(*srcs), (ctypes.c_size_t * n)(*sizes), P(*flags),
+                                     value & 0xFFFFFFFF, n, use_ce), "pull_chunks")  # fmt: skip
+
+
+def copy_guarded_at(stream: int, dsts, srcs, sizes) -> None:
+    """copy_guarded on raw addresses (lists of ints) and a raw stream handle."""
+    n = len(dsts)
+    if n == 0:
+        return
+    assert n <= MAX_GUARDED_COPIES
+    P = ctypes.c_void_p * n
+    _C.check(_lib().mptp_copy_guarded(stream, P(*dsts), P(*srcs), (ctypes.c_size_t * n)(*sizes), n),
+             "copy_guarded")  # fmt: skip
 
 
 def pull_chunks(copies, value: int = 1, stream=None) -> None:
@@ -556,10 +603,9 @@ def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, str
     sizes = _SIZES(*[t.numel() * t.element_size() for t in ts])
     nflags = 0 if flags is None else flags.numel()
     assert flags is None or (flags.dtype == torch.int32 and flags.is_contiguous() and nflags <= 32)
-    stream = stream or torch.cuda.current_stream()
-    _C.check(_lib().mptp_finish(ctypes.c_void_p(stream.cuda_stream), ptrs, sizes, n,
-                                ctypes.c_void_p(flags.data_ptr() if nflags else None), nflags,
-                                ctypes.c_void_p(err.data_ptr())), "finish")  # fmt: skip
+    stream = stream.cuda_stream if stream is not None else raw_stream(err.device)
+    _C.check(_lib().mptp_finish(stream, ptrs, sizes, n, flags.data_ptr() if nflags else None, nflags,
+                                err.data_ptr()), "finish")  # fmt: skip
 
 
 def ce_copies(stream=None) -> bool:
