@@ -244,7 +244,8 @@ def _slow_not_dead_peer(seed, op, path):
         os.environ["MPTP_DISABLE_FUSED"] = "1"
         os.environ.pop("MPTP_FORCE_FUSED", None)
     W, r = dist.get_world_size(), dist.get_rank()
-    B = randn((256, 256), seed + 9, scale=1 / 16).to("cuda", torch.bfloat16)
+    B_host = randn((256, 256), seed + 9, scale=1 / 16).to(torch.bfloat16)
+    B = B_host.cuda()
 
     def inputs(call, rank):
         return randn((256, 256), seed + 1000 * call + rank).to(torch.bfloat16)
@@ -263,8 +264,8 @@ def _slow_not_dead_peer(seed, op, path):
     def want(call):
         As = [inputs(call, p).double() for p in range(W)]  # CPU only: no wait for the GPU
         if op == "ag":
-            return torch.cat(As) @ B.double()
-        return sum(a @ B.double() for a in As).chunk(W)[r]
+            return torch.cat(As) @ B_host.double()
+        return sum(a @ B_host.double() for a in As).chunk(W)[r]
 
     run(0)  # creates the workspace
     torch.cuda.synchronize()
