@@ -5,19 +5,23 @@ launches ahead of the GPU, so whichever is longer sets the pace of a run of call
 CUDA-graph capture the host time is not replayed: only GPU time counts.
 
     GPU, fused all-gather:      max(matmul / (eff * free SMs), comm + last chunk's matmul)
+                                (a GPU shared by the ranks: matmul / (eff * free SMs) + comm)
     GPU, unfused all-gather:    comm + matmul
     GPU, fused reduce-scatter:  matmul / (eff * free SMs) + exposed comm + reduction
+                                (exposed: what outlasts the matmul; all of it on a shared GPU)
     GPU, unfused reduce-scatter: matmul + comm + reduction
     matmul = 2 M N K / (SMs * per-SM rate);  comm = bytes moved per rank / link bandwidth
 
-The constants are measurements (bench/results/h200_record_74ef7b1.log, H200, W = 8 loopback,
-M = 8192, torch 2.11): cuBLAS ran 688-737 TFLOP/s in bf16 and 1257-1358 in FP8 over the six
-Llama-3 TP-8 shapes (per SM: 5.4e12 and 10.1e12 FLOP/s); the device-local chunk copies moved
-1.5-1.6 TB/s; in eager, host-bound calls took 820-1250 us (fused all-gather), 520-790 us
-(fused reduce-scatter), 440-600 / 630-770 us (the reference path over the package's own
-transport) at W = 8 and 177 us at W = 1 (profile_host_h200_73625ad.txt); FP8 row-wise calls
-took about 1.25x (fused) and 2.6x (reference) the bf16 ones.
-Other GPUs scale the per-SM rate by their compute capability (RATE_SCALE).
+The constants are measurements. Matmul rates (bench/results/h200_record_74ef7b1.log, H200,
+torch 2.11): cuBLAS ran 688-737 TFLOP/s in bf16 and 1257-1358 in FP8 over the six Llama-3 TP-8
+shapes (per SM: 5.4e12 and 10.1e12 FLOP/s); the device-local chunk copies moved 1.5-1.6 TB/s.
+Host times and the shared-GPU behaviour: bench/results/h100_cost_model_7f43c97.csv (H100, W = 8
+loopback, M = 8192, both paths forced and timed in one run) and the per-stage host profiles
+beside it (W = 2 and 8). tests/ops/test_cost.py holds the model's picks on that run to at most
+10% (CUDA graphs) and 30% (eager) slower than the faster path.
+Other GPUs scale the per-SM rate by their compute capability (RATE_SCALE). Nothing here is
+measured between GPUs (no machine with several GPUs was lent): the NVLink terms (BW_PEER and
+the overlap of transfers with the matmul) are the design's expectation, not a measurement.
 
 Every input is what all ranks of a group see alike (shapes, dtypes, W, the GPU model, the
 group's link), and the dispatcher fuses only where every rank's call qualifies, so the
@@ -50,10 +54,14 @@ BW_PEER = 350e9
 BW_MEMORY = 3.0e12
 # Host microseconds per call, eager: base + per_peer * (W - 1), times the FP8 factor for FP8 calls
 # (the scaled ops' extra launches, and on the reference path the row-wise scales' own gather).
-HOST_FUSED = {"ag": (177.0, 130.0), "rs": (177.0, 70.0)}
-HOST_REFERENCE_SYMM = {"ag": (100.0, 55.0), "rs": (130.0, 85.0)}
+# Measured on the H100 host after the raw-address rewrite of the fused path (7f43c97): the
+# host-bound eager rows of results/h100_cost_model_7f43c97.csv at W = 8, and the W = 2 / W = 8
+# ratio of results/h100_profile_stages*_7f43c97.txt for the per-peer part. The host is the CPU
+# of the GPU machine: other hosts differ (the same calls ran 1.4-2x slower on an earlier one).
+HOST_FUSED = {"ag": (293.0, 21.0), "rs": (266.0, 9.0)}
+HOST_REFERENCE_SYMM = {"ag": (162.0, 37.5), "rs": (247.0, 19.0)}
 HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
-HOST_FP8 = {"fused": 1.25, "reference": 2.6}
+HOST_FP8 = {"fused": 1.37, "reference": 1.58}
 # Fixed GPU time of a call beyond its matmul and transfers, us: fused (signals, flag reset, the
 # poison checks); reference (signals, the layout copies; FP8: the scales' gather and casts),
 # measured from CUDA graphs as the op's time less copies + cuBLAS of the same run.
@@ -106,17 +114,24 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
     free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1)
     fused_mm = matmul / (FUSED_EFF * free)
     bw = BW_SAME_DEVICE if link.shares_device else BW_PEER
+    # NOTE: on a GPU shared by the group's ranks the "transfers" are device-local copies through
+    # the same memory and SMs the matmul uses: measured, they do not overlap with it at all (H100,
+    # W = 8 loopback, results/h100_cost_model_7f43c97.csv: fused ~ matmul / eff + comm).
     if work.op == "ag":
         comm = (W - 1) / W * work.M * work.K * work.a_bytes / bw * 1e6
-        gpu_fused = max(fused_mm, comm + fused_mm / W) + FUSED_FIXED_US
+        if link.shares_device:
+            gpu_fused = fused_mm + comm + FUSED_FIXED_US
+        else:
+            gpu_fused = max(fused_mm, comm + fused_mm / W) + FUSED_FIXED_US
         gpu_ref = comm + matmul + REFERENCE_FIXED_US[work.fp8]
     else:
         partial = work.M * work.N * work.out_bytes  # this rank's whole product
         comm = (W - 1) / W * partial / bw * 1e6
         reduce = (partial + partial / W) / BW_MEMORY * 1e6
         # NOTE: the producer stores each chunk into its owner's buffer while it computes: only
-        # the part of the traffic that outlasts the matmul is exposed.
-        gpu_fused = fused_mm + max(comm - fused_mm, 0.0) + reduce + FUSED_FIXED_US
+        # the part of the traffic that outlasts the matmul is exposed (between GPUs).
+        exposed = comm if link.shares_device else max(comm - fused_mm, 0.0)
+        gpu_fused = fused_mm + exposed + reduce + FUSED_FIXED_US
         gpu_ref = matmul + comm + reduce + REFERENCE_FIXED_US[work.fp8]
     if capturing:
         return gpu_fused, gpu_ref
