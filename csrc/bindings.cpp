@@ -9,7 +9,7 @@
 
 #define MPTP_API extern "C" __attribute__((visibility("default")))
 
-MPTP_API int mptp_abi_version() { return 3; }
+MPTP_API int mptp_abi_version() { return 4; }
 MPTP_API const char* mptp_last_error() { return mptp::last_error(); }
 MPTP_API int mptp_ipc_handle_bytes() { return static_cast<int>(mptp::kIpcHandleBytes); }
 
@@ -33,6 +33,11 @@ MPTP_API int mptp_signal(void* stream, uint32_t* const* slots_dev, int n) {
 MPTP_API int mptp_wait(void* stream, const uint32_t* slots, uint32_t* expected, int n,
                        uint32_t mask, uint64_t timeout_ns, int channel, int tag) {
   return mptp::wait(stream, slots, expected, n, mask, timeout_ns, channel, tag);
+}
+MPTP_API int mptp_signal_wait(void* stream, uint32_t* const* sig_slots, const uint32_t* slots,
+                              uint32_t* expected, int n, uint32_t mask, uint64_t timeout_ns,
+                              int channel, int tag) {
+  return mptp::signal_wait(stream, sig_slots, slots, expected, n, mask, timeout_ns, channel, tag);
 }
 MPTP_API int mptp_write_value(void* stream, uint32_t* addr, uint32_t value) {
   return mptp::write_value(stream, addr, value);

@@ -49,19 +49,23 @@ __device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
 // signals no peer again: a peer then times out too, instead of pairing this signal with data
 // this process did not write (its guarded writes are skipped as well: copy_guarded, and the
 // producer matmul's guarded stores).
-__global__ void signal_kernel(uint32_t* const* slots, int n, const int32_t* latch) {
+__device__ __forceinline__ void signal_one(uint32_t* const* slots, int n, const int32_t* latch) {
   int i = threadIdx.x;
   if (latched(latch)) return;
   if (i < n && slots[i] != nullptr) red_add_release_sys(slots[i], 1);
+}
+
+__global__ void signal_kernel(uint32_t* const* slots, int n, const int32_t* latch) {
+  signal_one(slots, n, latch);
 }
 
 // One thread per peer p in `mask`: wait until slots[p] reaches expected[p] + 1,
 // then advance expected[p]. Both counters live in device memory, so CUDA-graph
 // replays keep counting. NOTE: it spins only on slots that peers bump and
 // occupies one small block, so it never starves the signaller.
-__global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
-                            uint64_t timeout_ns, int channel, int tag, ErrorRecord* err,
-                            int32_t* latch) {
+__device__ __forceinline__ void wait_one(const uint32_t* slots, uint32_t* expected, int n,
+                                         uint32_t mask, uint64_t timeout_ns, int channel, int tag,
+                                         ErrorRecord* err, int32_t* latch) {
   int i = threadIdx.x;
   if (i >= n || !((mask >> i) & 1u)) return;
   uint32_t target = expected[i] + 1;
@@ -88,6 +92,21 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
     __nanosleep(128);
   }
   expected[i] = target;
+}
+
+__global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
+                            uint64_t timeout_ns, int channel, int tag, ErrorRecord* err,
+                            int32_t* latch) {
+  wait_one(slots, expected, n, mask, timeout_ns, channel, tag, err, latch);
+}
+
+// signal_kernel then wait_kernel in one launch (a barrier on one channel): thread i signals
+// peer i, then waits for peer i's signal. One warp; n <= 32.
+__global__ void signal_wait_kernel(uint32_t* const* sig_slots, int nsig, const uint32_t* slots,
+                                   uint32_t* expected, int n, uint32_t mask, uint64_t timeout_ns,
+                                   int channel, int tag, ErrorRecord* err, int32_t* latch) {
+  signal_one(sig_slots, nsig, latch);
+  wait_one(slots, expected, n, mask, timeout_ns, channel, tag, err, latch);
 }
 
 struct FinishArgs {
@@ -304,6 +323,20 @@ int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_
   MPTP_TRY(fail_latch(&latch));
   wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(slots, expected, n, mask,
                                                                timeout_ns, channel, tag, dev, latch);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int signal_wait(void* stream, uint32_t* const* sig_slots, const uint32_t* slots,
+                uint32_t* expected, int n, uint32_t mask, uint64_t timeout_ns, int channel,
+                int tag) {
+  MPTP_CHECK(n > 0 && n <= 32, "signal_wait: n must be in [1, 32]");
+  ErrorRecord *host, *dev;
+  MPTP_TRY(error_record(&host, &dev));
+  int32_t* latch;
+  MPTP_TRY(fail_latch(&latch));
+  signal_wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      sig_slots, n, slots, expected, n, mask, timeout_ns, channel, tag, dev, latch);
   MPTP_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -41,6 +41,11 @@ int signal(void* stream, uint32_t* const* slots_dev, int n);
 int wait(void* stream, const uint32_t* slots, uint32_t* expected, int n, uint32_t mask,
          uint64_t timeout_ns, int channel, int tag);
 
+// signal(sig_slots) then wait(slots, ...) in one small kernel: a barrier on one channel.
+int signal_wait(void* stream, uint32_t* const* sig_slots, const uint32_t* slots,
+                uint32_t* expected, int n, uint32_t mask, uint64_t timeout_ns, int channel,
+                int tag);
+
 // cuStreamWriteValue32: no SM involved. Used for chunk-arrival flags that a
 // persistent kernel spins on while it may hold every SM.
 int write_value(void* stream, uint32_t* addr, uint32_t value);

@@ -167,8 +167,7 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         sizes += [rows * 4, rows * 4]
     P.copy_guarded_at(main_h, dsts, srcs, sizes)
     P.write_value_at(flag0 + 4 * rank, 1, main_h)
-    ws.put_signal(CH_READY, stream=main)
-    ws.wait_signal(CH_READY, tag=_TAG_AG, stream=main)
+    ws.barrier(CH_READY, tag=_TAG_AG, stream=main)  # signal READY, wait READY: one launch
     fork.record(main)
     side.wait_event(fork)
     # NOTE: recorded before anything can raise: a call that fails below must not hand A_full
@@ -310,8 +309,7 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
         pm.persistent_matmul(A2, [B], A_scale=a_s, B_scales=[B_scale.float()],
                              biases=[bias] if bias is not None else None, out_dtype=out_dtype,
                              fast_accum=fast, **kw)  # fmt: skip
-    ws.put_signal(CH_READY)
-    ws.wait_signal(CH_READY, tag=_TAG_RS)
+    ws.barrier(CH_READY, tag=_TAG_RS)
     out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
     reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
     _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
@@ -348,8 +346,7 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
             pm.persistent_matmul(A2, [B[:, cols]], outs=[dest], err=ws.latch, guard=True, A_scale=a_s, B_scales=[b_s],
                                  biases=[bias[cols]] if bias is not None else None, out_dtype=out_dtype,
                                  fast_accum=fast)  # fmt: skip
-    ws.put_signal(CH_READY)
-    ws.wait_signal(CH_READY, tag=_TAG_RS)
+    ws.barrier(CH_READY, tag=_TAG_RS)
     mine = ws.buffers[rank][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)
     out = torch.empty(M, Nc, device=A.device, dtype=out_dtype)
     reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)

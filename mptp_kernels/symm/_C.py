@@ -11,7 +11,7 @@ from typing import Optional
 
 # The C ABI this Python code calls (csrc/bindings.cpp mptp_abi_version); an extension built from
 # other sources is refused rather than called with the wrong arguments.
-ABI_VERSION = 3
+ABI_VERSION = 4
 _lib = None
 _why: Optional[str] = None
 
@@ -42,6 +42,10 @@ def _declare(lib) -> None:
         "mptp_wait": (
             c.c_int,
             [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_uint32, c.c_uint64, c.c_int, c.c_int],
+        ),
+        "mptp_signal_wait": (
+            c.c_int,
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_uint32, c.c_uint64, c.c_int, c.c_int],
         ),
         "mptp_write_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_pull_chunks": (

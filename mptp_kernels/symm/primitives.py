@@ -436,9 +436,16 @@ class SymmetricMemory:
                                   channel, tag), "wait_signal")  # fmt: skip
 
     def barrier(self, channel: int = CH_BARRIER, tag: int = 0, stream=None) -> None:
-        """Stream-ordered barrier across the group (see the module docstring)."""
-        self.put_signal(channel, stream=stream)
-        self.wait_signal(channel, tag=tag, stream=stream)
+        """Stream-ordered barrier across the group (see the module docstring): put_signal then
+        wait_signal on `channel`, every peer, in one launch."""
+        W = self.world_size
+        if W == 1:
+            return
+        table, exp = self._signal_ptrs()
+        _C.check(_lib().mptp_signal_wait(
+            self._stream(stream), table + channel * W * 8, self._pad_ptrs[self.rank] + channel * W * 4,
+            exp + channel * W * 4, W, ((1 << W) - 1) & ~(1 << self.rank), int(env.timeout_s() * 1e9),
+            channel, tag), "barrier")  # fmt: skip
 
     def write_value(self, flag: torch.Tensor, value: int, stream=None) -> None:
         """cuStreamWriteValue32 of `value` into the int32 element `flag` (no SM used)."""

@@ -271,15 +271,22 @@ def _slow_not_dead_peer(seed, op, path):
     torch.cuda.synchronize()
     dist.barrier()
     if r == 1:
-        orig = P.SymmetricMemory.wait_signal
+        orig_wait, orig_barrier = P.SymmetricMemory.wait_signal, P.SymmetricMemory.barrier
 
-        def slow(self, channel, peers=None, tag=0, stream=None):
-            orig(self, channel, peers, tag, stream)
+        def stall(channel):
             if channel == P.CH_READY:
-                P.SymmetricMemory.wait_signal = orig
+                P.SymmetricMemory.wait_signal, P.SymmetricMemory.barrier = orig_wait, orig_barrier
                 torch.cuda._sleep(int(8e9))  # ~4-5 s of GPU cycles, after READY, before the reads
 
-        P.SymmetricMemory.wait_signal = slow
+        def slow_wait(self, channel, peers=None, tag=0, stream=None):
+            orig_wait(self, channel, peers, tag, stream)
+            stall(channel)
+
+        def slow_barrier(self, channel=P.CH_BARRIER, tag=0, stream=None):
+            orig_barrier(self, channel, tag, stream)
+            stall(channel)
+
+        P.SymmetricMemory.wait_signal, P.SymmetricMemory.barrier = slow_wait, slow_barrier
     outs = [run(1), run(2)]
     torch.cuda.synchronize()
     nan = []
