@@ -159,7 +159,13 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     # scales likewise), one launch that writes nothing once a wait has timed out (fail-stop;
     # the outputs and A_full are NaN then).
     src = A2.data_ptr()
-    dsts, srcs, sizes = [bufs[rank], af + rank * a_bytes], [src, src], [a_bytes, a_bytes]
+    dsts, srcs, sizes = [bufs[rank]], [src], [a_bytes]
+    if (af + rank * a_bytes - src) % 16 == 0:  # 16-byte words in the guarded copy kernel
+        dsts.append(af + rank * a_bytes)
+        srcs.append(src)
+        sizes.append(a_bytes)
+    else:  # NOTE: a misaligned chunk would be copied in smaller words: a plain copy instead
+        A_full[rank * rows : (rank + 1) * rows].copy_(A2)
     if scale_rows is not None:
         sr = scale_rows.data_ptr()
         dsts += [bufs[rank] + off_scale, scale_full.data_ptr() + rank * rows * 4]

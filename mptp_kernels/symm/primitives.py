@@ -77,9 +77,19 @@ class _CudaArray:
 
 
 def tensor_at(ptr: int, nbytes: int, device: torch.device, owner=None) -> torch.Tensor:
-    """A uint8 tensor over nbytes of device memory at ptr."""
+    """A uint8 tensor over nbytes of device memory at ptr (never a copy).
+
+    NOTE: for host-mapped memory (the error record) CUDA names the device that was current when
+    it was allocated; asked for another device, as_tensor would copy it, and a copy of the record
+    never shows a later timeout. Such memory is then taken as it is (mapped, portable: readable
+    from every device)."""
     with torch.cuda.device(device):
-        return torch.as_tensor(_CudaArray(ptr, nbytes, owner), device=device)
+        t = torch.as_tensor(_CudaArray(ptr, nbytes, owner), device=device)
+        if t.data_ptr() != ptr:
+            t = torch.as_tensor(_CudaArray(ptr, nbytes, owner))
+    if t.data_ptr() != ptr:
+        raise RuntimeError(f"tensor_at: torch copied the memory at {ptr:#x} instead of viewing it")
+    return t
 
 
 def _lib():
@@ -396,8 +406,14 @@ class SymmetricMemory:
             return stream.cuda_stream
         return raw_stream(self.device)
 
-    def _signal_ptrs(self):
-        """(slot table, expected counters) device addresses: per-call signals touch no tensor."""
+    def _signal_ptrs(self, channel: int):
+        """(slot table, expected counters) device addresses: per-call signals touch no tensor.
+        Checks what indexing the tables used to: the channel's range, and a live workspace (the
+        addresses of a freed one would be signalled through)."""
+        if not 0 <= channel < NUM_CHANNELS:
+            raise ValueError(f"channel: expected 0 <= channel < {NUM_CHANNELS}, got {channel}")
+        if self._freed:
+            raise RuntimeError(f"SymmetricMemory of group {self.group_name!r} was freed: it cannot signal")
         ptrs = self.__dict__.get("_sig_ptrs")
         if ptrs is None:
             ptrs = self._sig_ptrs = (self._slot_table.data_ptr(), self._expected.data_ptr())
@@ -408,6 +424,7 @@ class SymmetricMemory:
         W = self.world_size
         if W == 1:
             return
+        base = self._signal_ptrs(channel)[0]
         if peers is not None:
             table = self._slot_table[channel]
             keep = torch.zeros(W, dtype=torch.bool)
@@ -415,7 +432,7 @@ class SymmetricMemory:
             ptr = torch.where(keep.to(self.device), table, 0)
             rc = _lib().mptp_signal(self._stream(stream), ptr.data_ptr(), W)
         else:  # row `channel` of the [NUM_CHANNELS, W] int64 table
-            rc = _lib().mptp_signal(self._stream(stream), self._signal_ptrs()[0] + channel * W * 8, W)
+            rc = _lib().mptp_signal(self._stream(stream), base + channel * W * 8, W)
         _C.check(rc, "put_signal")
 
     def wait_signal(self, channel: int, peers=None, tag: int = 0, stream=None) -> None:
@@ -430,8 +447,8 @@ class SymmetricMemory:
             for p in peers:
                 if p != self.rank:
                     mask |= 1 << p
+        exp = self._signal_ptrs(channel)[1] + channel * W * 4  # row `channel` of the [NUM_CHANNELS, W] int32 counters
         base = self._pad_ptrs[self.rank] + channel * W * 4
-        exp = self._signal_ptrs()[1] + channel * W * 4  # row `channel` of the [NUM_CHANNELS, W] int32 counters
         _C.check(_lib().mptp_wait(self._stream(stream), base, exp, W, mask, int(env.timeout_s() * 1e9),
                                   channel, tag), "wait_signal")  # fmt: skip
 
@@ -441,7 +458,7 @@ class SymmetricMemory:
         W = self.world_size
         if W == 1:
             return
-        table, exp = self._signal_ptrs()
+        table, exp = self._signal_ptrs(channel)
         _C.check(_lib().mptp_signal_wait(
             self._stream(stream), table + channel * W * 8, self._pad_ptrs[self.rank] + channel * W * 4,
             exp + channel * W * 4, W, ((1 << W) - 1) & ~(1 << self.rank), int(env.timeout_s() * 1e9),
@@ -466,6 +483,8 @@ class SymmetricMemory:
         dist.barrier(group=self.group)  # nobody reads our buffer any more
         self.buffers, self.pads = [], []
         self._slot_table = self._expected = self.buffer_ptrs = None
+        self.__dict__.pop("_sig_ptrs", None)
+        self.__dict__.pop("_views", None)
         for p in self._opened:
             _C.check(lib.mptp_close_handle(ctypes.c_void_p(p)), "cudaIpcCloseMemHandle")
         dist.barrier(group=self.group)  # peers closed their mappings of ours
@@ -479,6 +498,8 @@ class SymmetricMemory:
         """Forgets the workspace of a destroyed group without any collective (its memory is leaked)."""
         self._freed = True
         self.buffers, self.pads = [], []
+        self.__dict__.pop("_sig_ptrs", None)
+        self.__dict__.pop("_views", None)
         if self.rendezvous is not None:
             self.rendezvous.close()
 

@@ -128,6 +128,28 @@ def test_cuda_graph_signal_wait_barrier_100_replays(gpu_workers):
     gpu_workers.run(_graph_replays, 100)
 
 
+def _misuse_is_refused():
+    """A channel out of range, or a freed workspace, is refused on the host: the signals use
+    cached device addresses, which would otherwise be read past the table or after the free."""
+    from mptp_kernels.symm import primitives as P
+
+    sm = _ws()
+    for call in (lambda: sm.put_signal(P.NUM_CHANNELS), lambda: sm.wait_signal(-1), lambda: sm.barrier(99)):
+        with pytest.raises(ValueError, match="channel"):
+            call()
+    sm.barrier()  # the refused calls left the counters alone: the group still pairs
+    torch.cuda.synchronize()
+    sm.check()
+    sm.free()
+    for call in (lambda: sm.put_signal(P.CH_READY), lambda: sm.wait_signal(P.CH_READY), lambda: sm.barrier()):
+        with pytest.raises(RuntimeError, match="freed"):
+            call()
+
+
+def test_channel_out_of_range_and_freed_workspace_are_refused(gpu_workers):
+    gpu_workers.run(_misuse_is_refused)
+
+
 def _alloc_free_cycles(n):
     from mptp_kernels.symm import primitives as P
 
