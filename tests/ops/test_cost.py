@@ -10,27 +10,29 @@ from mptp_kernels.ops.cost import Link, Work, estimate, prefer_fused
 
 # The run the constants come from: both paths of each op forced and timed in one run (W = 8
 # loopback on an H100, bench/check_cost_model.py after the raw-address fused path, 7f43c97).
-RECORD = os.path.join(
-    os.path.dirname(__file__), "..", "..", "bench", "results", "h100_cost_model_7f43c97.csv"
-)
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+RECORD = os.path.join(RESULTS, "h100_cost_model_7f43c97.csv")
+# A later run of the same check on another H100 machine (1f014ba): its GPU times agree with the
+# record's; its host was slower and noisier (eager calls up to 2x the record's).
+LATER = os.path.join(RESULTS, "h100_cost_model_1f014ba.csv")
 LLAMA_TP8_NK = [(7168, 8192), (8192, 3584), (1280, 8192), (3584, 4096), (4096, 1792), (768, 4096)]
 H200 = dict(sms=132, capability=(9, 0))
 
 
-def _record():
-    """{(op, dtype, W, M, N, K): {provider: measured us}} of the run of record."""
+def _record(path=RECORD):
+    """{(op, dtype, W, M, N, K): {provider: measured us}} of a run (default: the run of record)."""
     rows = {}
-    with open(RECORD) as f:
+    with open(path) as f:
         for r in csv.DictReader(f):
             key = (r["op"], r["dtype"], int(r["world_size"]), int(r["M"]), int(r["N"]), int(r["K"]))
             rows.setdefault(key, {})[r["provider"]] = float(r["median_us"])
     return rows
 
 
-def _picks():
+def _picks(path=RECORD):
     """(case, mode, measured fused, measured reference, the model's pick) per row and mode."""
     out = []
-    for (op, dtype, W, M, N, K), m in _record().items():
+    for (op, dtype, W, M, N, K), m in _record(path).items():
         fp8 = dtype != "bf16"
         w = Work(op, M, K, N, 1 if fp8 else 2, 2, fp8)
         for capturing, suffix in ((False, ""), (True, "@graph")):
@@ -53,6 +55,17 @@ def test_the_model_picks_well_on_the_run_of_record():
         regret = (fused if pick == "fused" else ref) / min(fused, ref) - 1
         if regret > (0.10 if mode == "graph" else 0.30):
             bad.append((case, mode, pick, fused, ref, round(regret, 3)))
+    assert not bad, bad
+
+
+def test_graph_picks_hold_on_a_later_run():
+    """From CUDA graphs (no host time) the picks stay within 10% of the faster path on a later
+    run the constants were not fitted to. (Its eager rows are not held: that host was up to 2x
+    slower, and the eager picks follow the host.)"""
+    picks = [p for p in _picks(LATER) if p[1] == "graph"]
+    assert len(picks) == 18, len(picks)
+    bad = [(case, pick, fused, ref) for case, _, fused, ref, pick in picks
+           if (fused if pick == "fused" else ref) / min(fused, ref) > 1.10]  # fmt: skip
     assert not bad, bad
 
 
