@@ -67,7 +67,8 @@ STAGES = [
     (dispatch.env, "host_timeout_s_or_default"), (P, "check_errors"), (fused, "_begin"),
     (fused, "_ag_run"), (fused, "_rs_run"), (fused, "_reference_layout"), (fused, "_restride"),
     (pm, "persistent_matmul"), (pm, "_launch_tma"), (L, "launch"), (poison, "poison_if_error"),
-    (P, "pull_chunks"), (P, "write_value"), (P, "finish"), (reference, "all_gather"),
+    (P, "pull_chunks"), (P, "pull_at"), (P, "copy_guarded_at"), (P, "write_value"), (P, "write_value_at"),
+    (P, "finish"), (reference, "all_gather"),
     (reference, "reduce_scatter"), (fused, "_finish"),
 ]  # fmt: skip
 
@@ -98,7 +99,7 @@ def main():
     mirror_loopback_buffers(g)
     for module, attr in STAGES:
         _wrap_function(module, attr)
-    for attr in ("put_signal", "wait_signal"):
+    for attr in ("put_signal", "wait_signal", "barrier"):
         _wrap_method(P.SymmetricMemory, attr)
     for attr in ("all_gather", "reduce_scatter"):
         _wrap_method(transport.SymmTransport, attr)
