@@ -146,7 +146,8 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
     torch's CPU _scaled_mm where it takes the scales, so that in range the output is the
     one torch's CPU FP8 output gives). NOTE: torch's own FP8 output is not
     one thing: CUDA _scaled_mm ignores scale_result in torch 2.10-2.11 (pytorch/pytorch#190449)
-    and the CPU divides by it, so the result scale is applied here. Non-FP8 outputs on the CPU
+    and the CPU divides by it where out_dtype is given and ignores it where out_dtype is None
+    (torch 2.14.1), so the result scale is applied here, always as a multiplier. Non-FP8 outputs on the CPU
     are torch._scaled_mm where it takes the scales (torch 2.11's CPU kernel has no row-wise
     scales), else computed in fp32.
     """

@@ -33,18 +33,18 @@ class ScaleMode(Enum):
     ROW_WISE_REPLICATED = "row-wise-replicated"
 
 
-def to_dtype(x) -> Optional[torch.dtype]:
-    """Maps a ScalarType integer (or a dtype, or None) to a torch.dtype."""
+def to_dtype(x, arg: str = "out_dtypes") -> Optional[torch.dtype]:
+    """Maps a ScalarType integer (or a dtype, or None) to a torch.dtype; ValueError naming arg."""
     if x is None or isinstance(x, torch.dtype):
         return x
     if isinstance(x, int) and x in _SCALAR_TYPES:
         return _SCALAR_TYPES[x]
-    raise ValueError(f"out_dtypes: unrecognized scalar type {x!r}")
+    raise ValueError(f"{arg}: unrecognized scalar type {x!r}")
 
 
 def scaled_out_dtype(x, arg: str = "out_dtype") -> Optional[torch.dtype]:
     """to_dtype(x), which must be one that torch._scaled_mm writes (or None: A's dtype)."""
-    d = to_dtype(x)
+    d = to_dtype(x, arg)
     if d is not None and d not in SCALED_OUT_DTYPES:
         raise ValueError(f"{arg}: torch._scaled_mm writes {[str(t) for t in SCALED_OUT_DTYPES]}, "
                          f"got {d}")  # fmt: skip

@@ -128,6 +128,15 @@ def test_every_scalar_type_code_maps_to_its_dtype():
         assert validate.to_dtype(code if code >= 0 else dt) == dt, (code, dt)
 
 
+def test_an_unknown_scalar_type_names_its_argument():
+    from mptp_kernels.ops import validate
+
+    with pytest.raises(ValueError, match="^out_dtype: unrecognized scalar type 999"):
+        validate.scaled_out_dtype(999)
+    with pytest.raises(ValueError, match=r"^out_dtypes\[1\]: unrecognized scalar type 999"):
+        validate.scaled_out_dtype(999, "out_dtypes[1]")
+
+
 def test_a_single_tensor_as_Bs_is_rejected(pg1):
     import mptp_kernels
 
