@@ -555,18 +555,12 @@ def pull_chunks(copies, value: int = 1, stream=None) -> None:
     buffers of one device may run as a kernel, which a consumer holding every SM would starve:
     see ops/fused.py _consumer_sms.
     """
-    n = len(copies)
-    if n == 0:
+    if not copies:
         return
     stream = stream or torch.cuda.current_stream()
-    P = ctypes.c_void_p * n
-    dsts = P(*[d.data_ptr() for d, _, _ in copies])
-    srcs = P(*[s.data_ptr() for _, s, _ in copies])
-    sizes = (ctypes.c_size_t * n)(*[d.numel() * d.element_size() for d, _, _ in copies])
-    flags = P(*[f.data_ptr() if f is not None else None for _, _, f in copies])
-    use_ce = 1 if env.ce_copies_enabled() else 0
-    _C.check(_lib().mptp_pull_chunks(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, flags,
-                                     value & 0xFFFFFFFF, n, use_ce), "pull_chunks")  # fmt: skip
+    pull_at(stream.cuda_stream, [d.data_ptr() for d, _, _ in copies], [s.data_ptr() for _, s, _ in copies],
+            [d.numel() * d.element_size() for d, _, _ in copies],
+            [f.data_ptr() if f is not None else None for _, _, f in copies], value)  # fmt: skip
 
 
 _LATCHES: dict = {}
@@ -603,17 +597,13 @@ def copy_guarded(copies, stream=None) -> None:
         copies: list of (dst, src), same-sized contiguous device tensors (either may be a
             peer's mapped buffer).
     """
-    n = len(copies)
-    if n == 0:
+    if not copies:
         return
-    assert n <= MAX_GUARDED_COPIES and all(d.is_contiguous() and s.is_contiguous() for d, s in copies)
-    stream = stream or torch.cuda.current_stream()
-    P = ctypes.c_void_p * n
-    dsts = P(*[d.data_ptr() for d, _ in copies])
-    srcs = P(*[s.data_ptr() for _, s in copies])
-    sizes = (ctypes.c_size_t * n)(*[d.numel() * d.element_size() for d, _ in copies])
+    assert all(d.is_contiguous() and s.is_contiguous() for d, s in copies)
     assert all(d.numel() * d.element_size() == s.numel() * s.element_size() for d, s in copies)
-    _C.check(_lib().mptp_copy_guarded(ctypes.c_void_p(stream.cuda_stream), dsts, srcs, sizes, n), "copy_guarded")
+    stream = stream or torch.cuda.current_stream()
+    copy_guarded_at(stream.cuda_stream, [d.data_ptr() for d, _ in copies], [s.data_ptr() for _, s in copies],
+                    [d.numel() * d.element_size() for d, _ in copies])  # fmt: skip
 
 
 MAX_FINISH = 8  # csrc/symm/symm.h kMaxFinish
