@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_persistent_matmul import make  # noqa: E402
 
+from mptp_kernels.kernels import launch as L  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm.primitives import pull_chunks, write_value  # noqa: E402
 
@@ -46,6 +47,45 @@ def host_us(fn, calls, burst=BURST):
         done += n
         torch.cuda.synchronize()
     return total / calls * 1e6
+
+
+def launcher_only(fn):
+    """fn's last Triton launcher call (kernel.run with its bound arguments), replayed as is: the
+    floor of a launch through Triton's launcher, all of our Python left out."""
+    fn()
+    fn()  # the first call of a key is Triton's own launch; later ones are direct
+    rec = {}
+    saved = []
+    for k in list(L._KERNELS.values()):
+        run = k.run
+        saved.append((k, run))
+
+        def spy(*a, run=run):
+            rec["call"] = (run, a)
+            return run(*a)
+
+        k._run = spy  # CompiledKernel.run returns _run (Triton 3.3 to 3.8)
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        for k, run in saved:
+            k._run = run
+    run, a = rec["call"]
+    return lambda: run(*a)
+
+
+def with_tensor_pointers(fn):
+    """fn with CUDA tensors handed to Triton's launcher as tensors (launch.INT_POINTERS off)."""
+
+    def call():
+        L.INT_POINTERS = False
+        try:
+            return fn()
+        finally:
+            L.INT_POINTERS = True
+
+    return call
 
 
 def profile(fn, calls, top=25, sorts=("tottime",)):
@@ -81,6 +121,16 @@ def main():
     for k in ("pointer", "tma"):
         fns[f"persistent_matmul fp8 row {k}"] = lambda k=k: pm.persistent_matmul(
             A8, [B8], outs=out, A_scale=sa, B_scales=[sb], kernel=k)  # fmt: skip
+    # Same run, same shapes: CUDA tensors handed to the launcher as tensors (the old way), and the
+    # launcher call alone (what is left once all of our Python is gone).
+    fns["persistent_matmul bf16 auto, tensor pointers"] = with_tensor_pointers(fns["persistent_matmul bf16 auto"])
+    fns["persistent_matmul bf16 pointer, tensor pointers"] = with_tensor_pointers(
+        fns["persistent_matmul bf16 pointer"])  # fmt: skip
+    for k in ("auto", "pointer"):
+        try:
+            fns[f"Triton launcher alone, bf16 {k}"] = launcher_only(fns[f"persistent_matmul bf16 {k}"])
+        except Exception as e:  # noqa: BLE001 - a row, not the run
+            print(f"launcher row {k} skipped: {type(e).__name__}: {e}")
     flags = torch.ones(W, dtype=torch.int32, device="cuda")
     order = torch.arange(W, dtype=torch.int32, device="cuda")
     fns["persistent_matmul bf16 consumer"] = lambda: pm.persistent_matmul(

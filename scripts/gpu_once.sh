@@ -4,7 +4,9 @@
 # the host time per stage (profile_stages.py; a py-spy profile too where .whl/py-spy is carried), the cost model's check (check_cost_model.py) and
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
-# $OUT/all.tgz (the device tool returns at most 8 files).
+# $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
+# PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
+# the cost-model check and the loopback ops.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
 export PYTHONUNBUFFERED=1
@@ -21,6 +23,8 @@ step() {  # step NAME MAX_S LOG CMD...
   MPTP_RESULTS_DIR="$OUT/bench" timeout "$t" "$@" > "$OUT/bench/$log" 2>&1
   echo "== $name: exit $?" | tee -a "$OUT/bench/steps.txt"
 }
+step host 60 profile_host.txt python3 bench/profile_host.py --calls 300
+head -24 "$OUT/bench/profile_host.txt"
 step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
 grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
 if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
@@ -32,6 +36,11 @@ if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy
 fi
 step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
 grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
+if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and from CUDA graphs
+  step persistent 200 persistent.txt python3 bench/bench_persistent_matmul.py --Ms "${PM_MS:-4096,8192}" --out "$OUT/bench"
+  grep -v "^\[rank" "$OUT/bench/persistent.txt" | tail -8
+fi
+[ "${LOOPBACK:-1}" = 1 ] || { pack; exit 0; }
 step cost_model 220 cost_model.txt python3 bench/check_cost_model.py
 grep -v "^\[rank" "$OUT/bench/cost_model.txt" | tail -22
 cp bench/results/all_gather_matmul.csv bench/results/matmul_reduce_scatter.csv "$OUT/bench/" 2>/dev/null

@@ -24,6 +24,8 @@ import triton
 from .epilogue import interpreting
 
 FAST = True
+# CUDA tensors reach the launcher as their addresses (see _prepare); False: as tensors (profile_host.py compares).
+INT_POINTERS = True
 stats = {"direct": 0, "plain": 0}
 _KERNELS: Dict[tuple, object] = {}
 _NAMES: Dict[int, tuple] = {}
@@ -62,20 +64,46 @@ def _extra(a):
 
 def _key(args) -> tuple:
     """A superset of Triton's specialization of args: bytes of codes, plus what a byte cannot say."""
+    codes, extras, _ = _prepare(args)
+    return codes, extras
+
+
+def _prepare(args):
+    """(codes, extras, call): the key's two parts (_key) and the arguments as the launcher gets them.
+
+    In call, a CUDA tensor is its device address (an int): Triton's launcher takes an int as the
+    pointer as is, where a tensor costs it a data_ptr() call and a driver query
+    (cuPointerGetAttribute) per argument -- which for a device allocation returns the same
+    address. Any other object (a CPU tensor, a tensor descriptor) is passed unchanged.
+    """
     seen = {}  # NOTE: padding, scatter slots and dummies repeat a few tensors many times
     codes = bytearray()
+    call = []
+    extras = []
+    put, code = call.append, codes.append
+    Tensor, ints = torch.Tensor, INT_POINTERS
     for a in args:
         if a.__class__ is int:
-            codes.append(_code(a))
+            code(16 | (a == 1) | ((a & 15 == 0) << 1) | ((-2147483648 <= a < 2147483648) << 2) | ((a >= 2**63) << 3))
+            put(a)
             continue
-        c = seen.get(id(a))
-        if c is None:
-            c = seen[id(a)] = _code(a)
-        codes.append(c)
-    codes = bytes(codes)
-    if _EXTRA in codes:
-        return codes, tuple(_extra(a) for a, c in zip(args, codes) if c == _EXTRA)
-    return codes, ()
+        hit = seen.get(id(a))
+        if hit is None:
+            if a.__class__ is Tensor or isinstance(a, Tensor):
+                d = _DTYPES.get(a.dtype)
+                if d is None:
+                    d = _DTYPES[a.dtype] = len(_DTYPES)
+                p = a.data_ptr()
+                hit = seen[id(a)] = ((128 | (d << 1) | (p & 15 == 0)) if d < 63 else _EXTRA,
+                                     p if ints and a.is_cuda else a)  # fmt: skip
+            else:
+                c = _code(a)
+                hit = seen[id(a)] = (c, a, _extra(a) if c == _EXTRA else None)
+        code(hit[0])
+        put(hit[1])
+        if hit[0] == _EXTRA:
+            extras.append(hit[2] if len(hit) > 2 else _extra(a))
+    return bytes(codes), tuple(extras), call
 
 
 def _active(hook) -> bool:
@@ -108,7 +136,8 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
         cvals = [constexprs[n] for n in names]  # in parameter order: part of the key, and of the call
         if len(cvals) != len(constexprs):
             raise TypeError("constexprs do not match the kernel's trailing parameters")
-        key = (id(fn), device_index, tuple(options.items()), len(args), tuple(cvals), *_key(args))
+        codes, extras, call = _prepare(args)
+        key = (id(fn), device_index, tuple(options.items()), len(args), tuple(cvals), codes, extras)
         kernel = _KERNELS.get(key)
     except (TypeError, KeyError):  # unhashable or unexpected arguments: nothing to cache
         kernel, key = None, None
@@ -123,7 +152,7 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
         stream = torch._C._cuda_getCurrentRawStream(device_index)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *cvals)
+        run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *cvals)
         stats["direct"] += 1
     except Exception as e:  # noqa: BLE001 - another Triton's launcher: fall back for good
         FAST = False

@@ -626,10 +626,14 @@ def persistent_matmul(
     return _poisoned(results, mode, err, poison)
 
 
+TensorDescriptor = None
+
+
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
                 biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    global TensorDescriptor
+    if TensorDescriptor is None:  # imported at the first TMA launch (a Triton without it raises here)
+        from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = A.shape
     N = B.shape[1]
     dev = A.device

@@ -72,6 +72,31 @@ def test_direct_launch_after_the_first_call_of_a_key(fake_device):
     assert call == (3, 1, 1, 1234, "fn-handle", "meta", None, None, None, x, y, 64, 0.5, 32, True)
 
 
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device (what _prepare looks at)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_cuda_tensors_reach_the_launcher_as_addresses_and_the_rest_unchanged(fake_device, monkeypatch):
+    fn = _FakeJIT()
+    dev = torch.zeros(64).as_subclass(_OnDevice)
+    host = torch.zeros(64, dtype=torch.float16)
+    args = [dev, host, 64, 0.5]
+    for _ in range(2):
+        L.launch(fn, (1,), args, dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    (call,) = k.calls
+    assert call[9:] == (dev.data_ptr(), host, 64, 0.5, 32, True)
+    assert type(call[9]) is int and call[10] is host
+    monkeypatch.setattr(L, "INT_POINTERS", False)  # the switch profile_host.py compares
+    L.launch(fn, (1,), args, dict(FLAG=True, BLOCK=32))
+    assert k.calls[-1][9] is dev
+    assert len(fn.plain) == 1, "the switch does not change the key"
+
+
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_div16", "int64", "constexpr",
                                     "options"])  # fmt: skip
 def test_any_change_of_specialization_is_a_new_key(fake_device, change):
