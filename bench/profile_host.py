@@ -12,6 +12,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -28,7 +29,14 @@ BURST = 8  # calls per timed burst (see host_us)
 
 
 def host_us(fn, calls, burst=BURST):
-    """Host microseconds per call, timed in bursts of `burst` calls from an idle GPU.
+    """Host microseconds per call (the mean over all calls): see host_stats."""
+    return host_stats(fn, calls, burst)[0]
+
+
+def host_stats(fn, calls, burst=BURST):
+    """(mean, median, min) host microseconds per call, timed in bursts of `burst` calls from an
+    idle GPU; the median and min are over the bursts' per-call times (a burst that the OS
+    interrupted, or that met a busy host, counts once instead of skewing the mean).
 
     NOTE: calls issued back to back without end fill CUDA's launch queue (about a thousand
     launches) whenever the GPU is slower than the host, and the host then waits in a launch:
@@ -37,16 +45,18 @@ def host_us(fn, calls, burst=BURST):
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    total, done = 0.0, 0
+    per_burst, total, done = [], 0.0, 0
     while done < calls:
         n = min(burst, calls - done)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        total += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        total += dt
+        per_burst.append(dt / n)
         done += n
         torch.cuda.synchronize()
-    return total / calls * 1e6
+    return total / calls * 1e6, statistics.median(per_burst) * 1e6, min(per_burst) * 1e6
 
 
 def launcher_only(fn):
@@ -107,6 +117,7 @@ def profile(fn, calls, top=25, sorts=("tottime",)):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     M, N, K, W = 8192, 768, 4096, 8
     fns = {}
@@ -163,12 +174,21 @@ def main():
     except Exception as e:  # noqa: BLE001 - the op rows are optional
         print(f"op rows skipped: {type(e).__name__}: {e}")
 
-    print(f"host microseconds per call, {a.calls} calls back to back (M={M} N={N} K={K}):")
-    for name, fn in fns.items():
-        try:
-            print(f"  {name:45s} {host_us(fn, a.calls):8.1f}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name:45s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"host microseconds per call, {a.calls} calls in bursts of {BURST} (M={M} N={N} K={K}); "
+          f"{a.rounds} rounds, every row once per round:")  # fmt: skip
+    print(f"  {'':52s} {'mean':>8s} {'median':>8s} {'min':>8s}  (median of the rounds' mean, median, min)")
+    res = {name: [] for name in fns}
+    for _ in range(a.rounds):  # rows interleaved: a slow phase of the host hits every row alike
+        for name, fn in fns.items():
+            try:
+                res[name].append(host_stats(fn, a.calls))
+            except Exception as e:  # noqa: BLE001
+                res[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    for name, r in res.items():
+        if isinstance(r, str):
+            print(f"  {name:52s} {r}")
+            continue
+        print(f"  {name:52s} " + " ".join(f"{statistics.median(x[i] for x in r):8.1f}" for i in range(3)), flush=True)
     for name in ("persistent_matmul bf16 auto", "persistent_matmul fp8 row pointer", "op fused_all_gather_matmul W=1"):
         if name in fns:
             print(f"\n=== cProfile: {name} ===")

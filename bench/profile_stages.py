@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_host import BURST  # noqa: E402
+from profile_host import BURST, host_stats  # noqa: E402
 from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 import mptp_kernels  # noqa: E402,F401
@@ -97,14 +97,21 @@ def main():
     for fn in ops.values():
         fn()
     mirror_loopback_buffers(g)
+    print(f"host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, {a.calls} calls in bursts of "
+          f"{BURST}, no stage timers (mean, median and min of the bursts):")  # fmt: skip
+    for (name, fn), path in itertools.product(ops.items(), ("fused", "reference")):
+        os.environ.update(PATHS[path])
+        mean, med, low = host_stats(fn, a.calls)
+        print(f"  {name + ', ' + path:45s} {mean:8.1f} {med:8.1f} {low:8.1f}", flush=True)
+    print()
     for module, attr in STAGES:
         _wrap_function(module, attr)
     for attr in ("put_signal", "wait_signal", "barrier"):
         _wrap_method(P.SymmetricMemory, attr)
     for attr in ("all_gather", "reduce_scatter"):
         _wrap_method(transport.SymmTransport, attr)
-    print(f"host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, {a.calls} calls "
-          f"(torch {torch.__version__})")  # fmt: skip
+    print(f"with stage timers: host microseconds per op call, W={a.W} loopback, M={M} N={N} K={K}, "
+          f"{a.calls} calls (torch {torch.__version__})")  # fmt: skip
     for (name, fn), path in itertools.product(ops.items(), ("fused", "reference")):
         os.environ.update(PATHS[path])
         for _ in range(20):
