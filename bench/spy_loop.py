@@ -24,7 +24,8 @@ from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buff
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--op", choices=("ag", "ag8", "rs"), default="ag")
+    p.add_argument("--op", choices=("ag", "ag8", "rs", "mm"), default="ag",
+                   help="mm: persistent_matmul alone (bf16, M=8192 N=768 K=4096, the TMA kernel)")
     p.add_argument("--path", choices=("fused", "reference"), default="fused")
     p.add_argument("--W", type=int, default=8)
     p.add_argument("--seconds", type=float, default=8.0)
@@ -43,6 +44,13 @@ def main():
         sb = torch.rand(1, N, device="cuda") + 0.5
         fn = lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(  # noqa: E731
             A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True])
+    elif a.op == "mm":
+        from mptp_kernels.kernels import persistent_matmul as pm
+
+        Am = torch.randn(M, 4096, device="cuda").bfloat16()
+        Bm = torch.randn(4096, 768, device="cuda").bfloat16()
+        out = [torch.empty(M, 768, device="cuda", dtype=torch.bfloat16)]
+        fn = lambda: pm.persistent_matmul(Am, [Bm], outs=out)  # noqa: E731
     else:
         A_rs = torch.randn(M, K, device="cuda").bfloat16()
         fn = lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g)  # noqa: E731
