@@ -85,6 +85,19 @@ def launcher_only(fn):
     return lambda: run(*a)
 
 
+def with_python_binder(fn):
+    """fn with the launch arguments bound by the Python loop (launch.C_PREPARE off)."""
+
+    def call():
+        L.C_PREPARE = False
+        try:
+            return fn()
+        finally:
+            L.C_PREPARE = True
+
+    return call
+
+
 def with_tensor_pointers(fn):
     """fn with CUDA tensors handed to Triton's launcher as tensors (launch.INT_POINTERS off)."""
 
@@ -132,11 +145,14 @@ def main():
     for k in ("pointer", "tma"):
         fns[f"persistent_matmul fp8 row {k}"] = lambda k=k: pm.persistent_matmul(
             A8, [B8], outs=out, A_scale=sa, B_scales=[sb], kernel=k)  # fmt: skip
-    # Same run, same shapes: CUDA tensors handed to the launcher as tensors (the old way), and the
-    # launcher call alone (what is left once all of our Python is gone).
+    # Same run, same shapes: CUDA tensors handed to the launcher as tensors (the old way), the
+    # arguments bound by the Python loop instead of the C binder (the old way), and the launcher
+    # call alone (what is left once all of our Python is gone).
     fns["persistent_matmul bf16 auto, tensor pointers"] = with_tensor_pointers(fns["persistent_matmul bf16 auto"])
     fns["persistent_matmul bf16 pointer, tensor pointers"] = with_tensor_pointers(
         fns["persistent_matmul bf16 pointer"])  # fmt: skip
+    fns["persistent_matmul bf16 auto, Python binder"] = with_python_binder(fns["persistent_matmul bf16 auto"])
+    fns["persistent_matmul bf16 pointer, Python binder"] = with_python_binder(fns["persistent_matmul bf16 pointer"])
     for k in ("auto", "pointer"):
         try:
             fns[f"Triton launcher alone, bf16 {k}"] = launcher_only(fns[f"persistent_matmul bf16 {k}"])

@@ -26,6 +26,9 @@ from .epilogue import interpreting
 FAST = True
 # CUDA tensors reach the launcher as their addresses (see _prepare); False: as tensors (profile_host.py compares).
 INT_POINTERS = True
+# _prepare in C (prepare_c.py) where it compiles; False: the Python loop (profile_host.py compares).
+C_PREPARE = True
+_C_FN = None  # the compiled function; False once it failed to build
 stats = {"direct": 0, "plain": 0}
 _KERNELS: Dict[tuple, object] = {}
 _NAMES: Dict[int, tuple] = {}
@@ -106,6 +109,30 @@ def _prepare(args):
     return bytes(codes), tuple(extras), call
 
 
+def _prepare_any(args):
+    """_prepare, by the C function where it is built and understands every argument."""
+    global _C_FN
+    if C_PREPARE:
+        f = _C_FN
+        if f is None:
+            try:
+                from .prepare_c import load
+
+                f = load()
+            except Exception as e:  # noqa: BLE001 - no compiler or headers: the Python loop
+                from .. import env
+
+                env.log_once(("c_prepare", type(e).__name__), "kernels.launch: C argument binder unavailable "
+                             "(%s: %s); binding in Python", type(e).__name__, e)  # fmt: skip
+                f = False
+            _C_FN = f
+        if f:
+            r = f(args, torch.Tensor, _DTYPES, _extra, INT_POINTERS)
+            if r is not None:
+                return r
+    return _prepare(args)
+
+
 def _active(hook) -> bool:
     # Triton 3.8 always has a HookChain there (active once something is added); older: None or a callable.
     return hook is not None and (not hasattr(hook, "calls") or len(hook.calls) > 0)
@@ -136,7 +163,7 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
         cvals = [constexprs[n] for n in names]  # in parameter order: part of the key, and of the call
         if len(cvals) != len(constexprs):
             raise TypeError("constexprs do not match the kernel's trailing parameters")
-        codes, extras, call = _prepare(args)
+        codes, extras, call = _prepare_any(args)
         key = (id(fn), device_index, tuple(options.items()), len(args), tuple(cvals), codes, extras)
         kernel = _KERNELS.get(key)
     except (TypeError, KeyError):  # unhashable or unexpected arguments: nothing to cache

@@ -215,3 +215,79 @@ def test_direct_launch_matches_the_plain_launch():
                 assert torch.equal(p.view(torch.uint8), f.view(torch.uint8)), f"{name}: direct launch differs"
     finally:
         L.FAST = old
+
+
+def _same_call(x, y):
+    return len(x) == len(y) and all(a is b or (type(a) is int and type(b) is int and a == b) for a, b in zip(x, y))
+
+
+def _argument_zoo(seed):
+    """Every kind of launch argument: ints at each class boundary, floats, bools, None, tensors of
+    several dtypes (aligned, misaligned, CPU, 'CUDA'), a float subclass, a tensor descriptor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(256)
+    on_dev = torch.zeros(64).as_subclass(_OnDevice)
+    ints = [0, 1, -1, 2, 15, 16, 32, -16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32, 2**62, 2**63 - 1,
+            -(2**63)]  # fmt: skip
+    tensors = [buf[:64], buf[1:65], buf[4:68], torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.bfloat16),
+               torch.zeros(8, dtype=torch.float8_e4m3fn), on_dev, on_dev[1:], torch.zeros(0)]  # fmt: skip
+    others = [0.5, 1.0, True, False, None, torch.nn.Parameter(torch.zeros(4)), float.__new__(type("F", (float,), {}), 2.0),
+              TensorDescriptor.from_tensor(torch.zeros(64, 64, dtype=torch.float16), [32, 16])]  # fmt: skip
+    pool = ints + tensors + others
+    n = int(torch.randint(1, 48, (1,), generator=g))
+    return [pool[int(i)] for i in torch.randint(0, len(pool), (n,), generator=g)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_binder_computes_what_the_python_one_does(seed, monkeypatch):
+    from mptp_kernels.kernels.prepare_c import load
+
+    fast = load()  # NOTE: not skipped where it does not build: CI and the GPU machine have a C compiler
+    args = _argument_zoo(seed)
+    L._prepare(args)  # numbers any new dtype (the C binder leaves that to Python)
+    for ints in (True, False):
+        monkeypatch.setattr(L, "INT_POINTERS", ints)
+        want = L._prepare(args)
+        got = fast(args, torch.Tensor, L._DTYPES, L._extra, ints)
+        assert got is not None, "the C binder gave up on arguments it understands"
+        assert got[0] == want[0] and got[1] == want[1] and _same_call(got[2], want[2]), (args, got, want)
+        assert L._prepare_any(args)[0] == want[0]
+
+
+def test_the_c_binder_leaves_what_it_does_not_know_to_python(monkeypatch):
+    from mptp_kernels.kernels.prepare_c import load
+
+    fast = load()
+    t = torch.zeros(4, dtype=torch.complex64)
+    L._DTYPES.pop(torch.complex64, None)
+    for args in ([2**63], [-(2**63) - 1], [t]):  # beyond int64; a dtype not numbered yet
+        assert fast(args, torch.Tensor, L._DTYPES, L._extra, True) is None
+        want = L._prepare(args)
+        assert L._prepare_any(args)[:2] == want[:2]
+    assert fast([t], torch.Tensor, L._DTYPES, L._extra, True) is not None, "numbered by the Python pass"
+
+    bad = torch.zeros(2).as_subclass(_OnDevice)
+    monkeypatch.setattr(_OnDevice, "dtype", property(lambda self: (_ for _ in ()).throw(RuntimeError("no dtype"))),
+                        raising=False)  # fmt: skip
+    assert fast([bad], torch.Tensor, L._DTYPES, L._extra, True) is None  # an error inside: Python decides
+    with pytest.raises(RuntimeError, match="no dtype"):
+        L._prepare_any([bad])
+
+
+def test_a_launch_without_the_c_binder_binds_in_python(fake_device, monkeypatch):
+    import mptp_kernels.kernels.prepare_c as PC
+
+    def no_compiler():
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(PC, "load", no_compiler)
+    monkeypatch.setattr(L, "_C_FN", None)
+    fn = _FakeJIT()
+    dev = torch.zeros(64).as_subclass(_OnDevice)
+    for _ in range(2):
+        L.launch(fn, (1,), [dev, dev, 64, 0.5], dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 64, 0.5, 32, True)
+    assert L._C_FN is False
