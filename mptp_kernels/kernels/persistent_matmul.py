@@ -296,14 +296,16 @@ def _tma_ok(A, Bs, scatter_to, mode) -> bool:
     if len(Bs) != 1 or scatter_to is not None or mode == MODE_PRODUCER or A.dtype == torch.float32:
         return False
     B = Bs[0]
-    if A.element_size() == 1 and B.stride(0) != 1:
-        return False
     es = A.element_size()
-    if A.stride(1) != 1 or (A.stride(0) * es) % 16 or A.data_ptr() % 16:
+    a0, a1 = A.stride()
+    b0, b1 = B.stride()
+    if es == 1 and b0 != 1:
         return False
-    if B.stride(1) == 1:
-        return (B.stride(0) * es) % 16 == 0 and B.data_ptr() % 16 == 0
-    return B.stride(0) == 1 and (B.stride(1) * es) % 16 == 0 and B.data_ptr() % 16 == 0
+    if a1 != 1 or (a0 * es) % 16 or A.data_ptr() % 16:
+        return False
+    if b1 == 1:
+        return (b0 * es) % 16 == 0 and B.data_ptr() % 16 == 0
+    return b0 == 1 and (b1 * es) % 16 == 0 and B.data_ptr() % 16 == 0
 
 
 # Kernel families: "pointer" (any call), "tma" / "tma_flat" (one B, plain or consumer; the
