@@ -31,7 +31,7 @@ C_PREPARE = True
 _C_FN = None  # the compiled function; False once it failed to build
 stats = {"direct": 0, "plain": 0}
 _KERNELS: Dict[tuple, object] = {}
-_NAMES: Dict[int, tuple] = {}
+_NAMES: Dict[tuple, tuple] = {}  # (id(fn), number of args) -> (fn, names of its constexprs)
 _I32 = (-(2**31), 2**31)
 
 
@@ -41,7 +41,7 @@ _EXTRA = 255  # the code of an argument described in the key's side tuple instea
 
 def _code(a) -> int:
     """One byte per argument: the part of it that can change the compiled kernel."""
-    t = a.__class__
+    t = type(a)
     if t is int:  # bits: 1 == 1, 2 % 16 == 0, 4 fits int32, 8 needs uint64; 16 marks ints
         return 16 | (a == 1) | ((a & 15 == 0) << 1) | ((-2147483648 <= a < 2147483648) << 2) | ((a >= 2**63) << 3)
     if t is torch.Tensor or isinstance(a, torch.Tensor):  # 128 + 2 * dtype index + aligned
@@ -86,13 +86,14 @@ def _prepare(args):
     put, code = call.append, codes.append
     Tensor, ints = torch.Tensor, INT_POINTERS
     for a in args:
-        if a.__class__ is int:
+        t = type(a)
+        if t is int:
             code(16 | (a == 1) | ((a & 15 == 0) << 1) | ((-2147483648 <= a < 2147483648) << 2) | ((a >= 2**63) << 3))
             put(a)
             continue
         hit = seen.get(id(a))
         if hit is None:
-            if a.__class__ is Tensor or isinstance(a, Tensor):
+            if t is Tensor or isinstance(a, Tensor):
                 d = _DTYPES.get(a.dtype)
                 if d is None:
                     d = _DTYPES[a.dtype] = len(_DTYPES)
@@ -110,7 +111,10 @@ def _prepare(args):
 
 
 def _prepare_any(args):
-    """_prepare, by the C function where it is built and understands every argument."""
+    """_prepare, by the C function where it is built and understands every argument.
+
+    args: a list or tuple (launch makes one of anything else: a generator would be consumed by
+    the first binder, and objects made on access could be freed and their ids reused)."""
     global _C_FN
     if C_PREPARE:
         f = _C_FN
@@ -150,10 +154,15 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
     Like the plain launch, it runs on the current device's current stream.
     """
     global FAST
-    names = _NAMES.get((id(fn), len(args)))
-    if names is None:
+    if args.__class__ is not list and args.__class__ is not tuple:
+        args = tuple(args)
+    # NOTE: keyed on id(fn) (hashing a JITFunction hashes its source key). _NAMES holds every fn
+    # launched here, so none is ever freed and its id reused by another kernel (_KERNELS's keys).
+    hit = _NAMES.get((id(fn), len(args)))
+    if hit is None:
         jit = isinstance(fn, triton.runtime.jit.JITFunction) and not interpreting()
-        names = _NAMES[(id(fn), len(args))] = tuple(fn.arg_names[len(args) :]) if jit else None
+        hit = _NAMES[(id(fn), len(args))] = (fn, tuple(fn.arg_names[len(args) :]) if jit else None)
+    names = hit[1]
     if names is None or not FAST or _hooks():
         stats["plain"] += 1
         fn[grid](*args, **constexprs, **options)

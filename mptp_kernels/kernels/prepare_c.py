@@ -29,10 +29,12 @@ static PyObject *prepare(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
   PyObject *Tensor = argv[1], *dtypes = argv[2], *extra = argv[3];
   int ints = PyObject_IsTrue(argv[4]);
   if (ints < 0) return NULL;
-  PyObject *seq = PySequence_Fast(argv[0], "args must be a sequence");
+  /* A tuple of its own: the items stay alive, and in place, whatever a tensor's attribute does
+     to the caller's list while we read it. */
+  PyObject *seq = PySequence_Tuple(argv[0]);
   if (!seq) return NULL;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject **items = PySequence_Fast_ITEMS(seq);
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  PyObject **items = &PyTuple_GET_ITEM(seq, 0);
   PyObject *codes = PyBytes_FromStringAndSize(NULL, n);
   PyObject *call = PyList_New(n);
   PyObject *extras = PyList_New(0);
@@ -97,7 +99,7 @@ static PyObject *prepare(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
         item = x;
       }
       if (nseen < SEEN) {
-        seen_obj[nseen] = x; /* borrowed: args holds them for the whole call */
+        seen_obj[nseen] = x; /* borrowed: seq holds them for the whole call */
         seen_code[nseen] = c[i];
         seen_item[nseen] = item; /* borrowed: call holds it */
         nseen++;
@@ -130,6 +132,7 @@ static PyObject *prepare(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
   Py_DECREF(codes); Py_DECREF(ex); Py_DECREF(call);
   return out;
 giveup:
+  if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) goto fail; /* KeyboardInterrupt, ... */
   PyErr_Clear();
   Py_DECREF(seq);
   Py_XDECREF(codes); Py_XDECREF(call); Py_XDECREF(extras);

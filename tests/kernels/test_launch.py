@@ -291,3 +291,108 @@ def test_a_launch_without_the_c_binder_binds_in_python(fake_device, monkeypatch)
     (k,) = fn.compiled.values()
     assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 64, 0.5, 32, True)
     assert L._C_FN is False
+
+
+@pytest.mark.parametrize("mode", ["clear", "grow", "replace"])
+def test_the_c_binder_survives_args_changed_while_it_reads_them(mode):
+    """A tensor attribute (a subclass, a __torch_function__) may run Python that edits the list."""
+    from mptp_kernels.kernels.prepare_c import load
+
+    fast = load()
+    args = []
+
+    class Evil(torch.Tensor):
+        fired = False
+
+        def data_ptr(self):
+            if not Evil.fired:
+                Evil.fired = True
+                if mode == "clear":
+                    args.clear()
+                elif mode == "grow":
+                    args.extend([0] * 100000)
+                else:
+                    args[1] = torch.zeros(8, dtype=torch.float16)
+            return super().data_ptr()
+
+    L._prepare([torch.zeros(1), torch.zeros(1, dtype=torch.float16)])
+    args.append(torch.zeros(64).as_subclass(Evil))
+    args += [torch.zeros(64 + i) for i in range(30)]  # referenced by the list only
+    first = list(args)
+    got = fast(args, torch.Tensor, L._DTYPES, L._extra, False)
+    assert got is not None and len(got[2]) == 31
+    assert all(a is b for a, b in zip(got[2], first)), "the binder read the arguments as they were at the call"
+
+
+def test_the_c_binder_lets_keyboard_interrupt_through():
+    from mptp_kernels.kernels.prepare_c import load
+
+    class Interrupted(torch.Tensor):
+        @property
+        def dtype(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        load()([torch.zeros(2).as_subclass(Interrupted)], torch.Tensor, L._DTYPES, L._extra, True)
+
+
+@pytest.mark.parametrize("c_binder", [True, False])
+def test_arguments_made_on_access_reach_the_launcher_as_themselves(fake_device, monkeypatch, c_binder):
+    """Fresh views made on access: each one freed after use may give its id to the next one."""
+    monkeypatch.setattr(L, "C_PREPARE", c_binder)
+    fn = _FakeJIT()
+    buf = torch.zeros(4096).as_subclass(_OnDevice)
+
+    for i in range(100):
+        L.launch(fn, (1,), _Lazy(i, buf), dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    base = buf.data_ptr()
+    for n, call in enumerate(k.calls, start=1):
+        i = n  # the first launch (i = 0) went through the plain path
+        want = [base + 4 * 16 * ((i + j) % 200) for j in range(2)]
+        assert list(call[9:11]) == want, f"launch {i}: wrong addresses"
+
+
+class _Lazy:
+    """A sequence whose tensors are made on access (and freed after): launch must bind each once."""
+
+    def __init__(self, i, buf):
+        self.i, self.buf = i, buf
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, j):
+        if j >= 4:
+            raise IndexError(j)
+        if j < 2:
+            o = 16 * ((self.i + j) % 200)
+            return self.buf[o : o + 16]
+        return (64, 0.5)[j - 2]
+
+
+def test_a_new_kernel_never_gets_a_freed_kernels_compiled_code(fake_device):
+    import gc
+
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    ids = set()
+    for _ in range(50):
+        fn = _FakeJIT()
+        reused = id(fn) in ids
+        for _ in range(2):
+            L.launch(fn, (1,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32))
+        assert len(fn.plain) == 1, "a kernel's first launch is its own (compiles it), even at a reused address"
+        assert not reused, "a launched kernel was freed and its id reused"
+        ids.add(id(fn))
+        del fn
+        gc.collect()
+
+
+def test_a_generator_of_arguments_is_bound_once_whichever_binder_runs(fake_device):
+    """2**63 is beyond int64: the C binder gives up and the Python one must still see every argument."""
+    fn = _FakeJIT()
+    dev = torch.zeros(64).as_subclass(_OnDevice)
+    for _ in range(2):
+        L.launch(fn, (1,), (a for a in [dev, dev, 2**63, 0.5]), dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 2**63, 0.5, 32, True)
