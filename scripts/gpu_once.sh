@@ -5,7 +5,7 @@
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
-# PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
+# STAGES=0 skips the stage profiles; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
 # the cost-model check and the loopback ops.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
@@ -25,17 +25,19 @@ step() {  # step NAME MAX_S LOG CMD...
 }
 step host 60 profile_host.txt python3 bench/profile_host.py --calls 300
 head -24 "$OUT/bench/profile_host.txt"
-step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
-grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
-if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
-  for c in ${SPY:-"ag:fused"}; do set -- ${c/:/ }
-    step "spy_$1_$2" 50 "spy_$1_$2.log" .whl/py-spy record --nonblocking -r 200 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
-      python3 bench/spy_loop.py --op "$1" --path "$2" --seconds 8
-    tail -2 "$OUT/bench/spy_$1_$2.log"
-  done
+if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
+  step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
+  grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+  if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
+    for c in ${SPY:-"ag:fused"}; do set -- ${c/:/ }
+      step "spy_$1_$2" 50 "spy_$1_$2.log" .whl/py-spy record --nonblocking -r 200 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
+        python3 bench/spy_loop.py --op "$1" --path "$2" --seconds 8
+      tail -2 "$OUT/bench/spy_$1_$2.log"
+    done
+  fi
+  step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
+  grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 fi
-step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
-grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and from CUDA graphs
   step persistent 200 persistent.txt python3 bench/bench_persistent_matmul.py --Ms "${PM_MS:-4096,8192}" --out "$OUT/bench"
   grep -v "^\[rank" "$OUT/bench/persistent.txt" | tail -8
