@@ -87,6 +87,11 @@ def ce_copies_enabled() -> bool:
     return _switch("MPTP_CE_COPIES", "1")
 
 
+def c_binder_enabled() -> bool:
+    """Whether kernel launches bind their arguments in C (kernels/prepare_c.py); read once."""
+    return _switch("MPTP_C_BINDER", "1")
+
+
 def reserve_sms() -> int:
     return int(_number("MPTP_RESERVE_SMS", "8", int, _sms_range))
 

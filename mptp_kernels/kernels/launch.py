@@ -119,13 +119,18 @@ def _prepare_any(args):
     if C_PREPARE:
         f = _C_FN
         if f is None:
+            from .. import env
+
+            try:
+                wanted = env.c_binder_enabled()
+            except ValueError as e:  # a bad value is not worth failing a launch for: the default
+                env.log_once(("c_binder_env",), "kernels.launch: %s; using the C binder", e)
+                wanted = True
             try:
                 from .prepare_c import load
 
-                f = load()
+                f = load() if wanted else False
             except Exception as e:  # noqa: BLE001 - no compiler or headers: the Python loop
-                from .. import env
-
                 env.log_once(("c_prepare", type(e).__name__), "kernels.launch: C argument binder unavailable "
                              "(%s: %s); binding in Python", type(e).__name__, e)  # fmt: skip
                 f = False

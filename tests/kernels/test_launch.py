@@ -396,3 +396,19 @@ def test_a_generator_of_arguments_is_bound_once_whichever_binder_runs(fake_devic
         L.launch(fn, (1,), (a for a in [dev, dev, 2**63, 0.5]), dict(FLAG=True, BLOCK=32))
     (k,) = fn.compiled.values()
     assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 2**63, 0.5, 32, True)
+
+
+@pytest.mark.parametrize("value, c_binder", [("0", False), ("off", False), ("1", True), ("bogus", True)])
+def test_mptp_c_binder_chooses_the_binder_once(fake_device, monkeypatch, value, c_binder):
+    monkeypatch.setenv("MPTP_C_BINDER", value)
+    monkeypatch.setattr(L, "_C_FN", None)
+    fn = _FakeJIT()
+    dev = torch.zeros(64).as_subclass(_OnDevice)
+    for _ in range(2):
+        L.launch(fn, (1,), [dev, dev, 64, 0.5], dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 64, 0.5, 32, True), "same arguments either way"
+    assert bool(L._C_FN) is c_binder
+    monkeypatch.setenv("MPTP_C_BINDER", "1" if value in ("0", "off") else "0")
+    L.launch(fn, (1,), [dev, dev, 64, 0.5], dict(FLAG=True, BLOCK=32))
+    assert bool(L._C_FN) is c_binder, "read once per process"
