@@ -85,28 +85,16 @@ def launcher_only(fn):
     return lambda: run(*a)
 
 
-def with_python_binder(fn):
-    """fn with the launch arguments bound by the Python loop (launch.C_PREPARE off)."""
+def with_launch_flag(fn, flag):
+    """fn with kernels.launch's switch `flag` off (C_PREPARE: the arguments bound by the Python
+    loop; INT_POINTERS: CUDA tensors handed to the launcher as tensors)."""
 
     def call():
-        L.C_PREPARE = False
+        setattr(L, flag, False)
         try:
             return fn()
         finally:
-            L.C_PREPARE = True
-
-    return call
-
-
-def with_tensor_pointers(fn):
-    """fn with CUDA tensors handed to Triton's launcher as tensors (launch.INT_POINTERS off)."""
-
-    def call():
-        L.INT_POINTERS = False
-        try:
-            return fn()
-        finally:
-            L.INT_POINTERS = True
+            setattr(L, flag, True)
 
     return call
 
@@ -148,11 +136,12 @@ def main():
     # Same run, same shapes: CUDA tensors handed to the launcher as tensors (the old way), the
     # arguments bound by the Python loop instead of the C binder (the old way), and the launcher
     # call alone (what is left once all of our Python is gone).
-    fns["persistent_matmul bf16 auto, tensor pointers"] = with_tensor_pointers(fns["persistent_matmul bf16 auto"])
-    fns["persistent_matmul bf16 pointer, tensor pointers"] = with_tensor_pointers(
-        fns["persistent_matmul bf16 pointer"])  # fmt: skip
-    fns["persistent_matmul bf16 auto, Python binder"] = with_python_binder(fns["persistent_matmul bf16 auto"])
-    fns["persistent_matmul bf16 pointer, Python binder"] = with_python_binder(fns["persistent_matmul bf16 pointer"])
+    for k in ("auto", "pointer"):
+        fns[f"persistent_matmul bf16 {k}, tensor pointers"] = with_launch_flag(
+            fns[f"persistent_matmul bf16 {k}"], "INT_POINTERS")  # fmt: skip
+    for k in ("auto", "pointer"):
+        fns[f"persistent_matmul bf16 {k}, Python binder"] = with_launch_flag(
+            fns[f"persistent_matmul bf16 {k}"], "C_PREPARE")  # fmt: skip
     for k in ("auto", "pointer"):
         try:
             fns[f"Triton launcher alone, bf16 {k}"] = launcher_only(fns[f"persistent_matmul bf16 {k}"])

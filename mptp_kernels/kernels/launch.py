@@ -65,14 +65,10 @@ def _extra(a):
     return (a.__class__, a)
 
 
-def _key(args) -> tuple:
-    """A superset of Triton's specialization of args: bytes of codes, plus what a byte cannot say."""
-    codes, extras, _ = _prepare(args)
-    return codes, extras
-
-
 def _prepare(args):
-    """(codes, extras, call): the key's two parts (_key) and the arguments as the launcher gets them.
+    """(codes, extras, call): the launch key's two parts -- a superset of Triton's specialization
+    of args: a byte per argument, plus what a byte cannot say -- and the arguments as the
+    launcher gets them.
 
     In call, a CUDA tensor is its device address (an int): Triton's launcher takes an int as the
     pointer as is, where a tensor costs it a data_ptr() call and a driver query

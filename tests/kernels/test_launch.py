@@ -276,6 +276,15 @@ def test_the_c_binder_leaves_what_it_does_not_know_to_python(monkeypatch):
         L._prepare_any([bad])
 
 
+def _launched_twice(args):
+    """A new kernel launched twice with args (the first plainly, the second directly); (fn, its kernel)."""
+    fn = _FakeJIT()
+    for _ in range(2):
+        L.launch(fn, (1,), args, dict(FLAG=True, BLOCK=32))
+    (k,) = fn.compiled.values()
+    return fn, k
+
+
 def test_a_launch_without_the_c_binder_binds_in_python(fake_device, monkeypatch):
     import mptp_kernels.kernels.prepare_c as PC
 
@@ -284,11 +293,8 @@ def test_a_launch_without_the_c_binder_binds_in_python(fake_device, monkeypatch)
 
     monkeypatch.setattr(PC, "load", no_compiler)
     monkeypatch.setattr(L, "_C_FN", None)
-    fn = _FakeJIT()
     dev = torch.zeros(64).as_subclass(_OnDevice)
-    for _ in range(2):
-        L.launch(fn, (1,), [dev, dev, 64, 0.5], dict(FLAG=True, BLOCK=32))
-    (k,) = fn.compiled.values()
+    fn, k = _launched_twice([dev, dev, 64, 0.5])
     assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 64, 0.5, 32, True)
     assert L._C_FN is False
 
@@ -402,11 +408,8 @@ def test_a_generator_of_arguments_is_bound_once_whichever_binder_runs(fake_devic
 def test_mptp_c_binder_chooses_the_binder_once(fake_device, monkeypatch, value, c_binder):
     monkeypatch.setenv("MPTP_C_BINDER", value)
     monkeypatch.setattr(L, "_C_FN", None)
-    fn = _FakeJIT()
     dev = torch.zeros(64).as_subclass(_OnDevice)
-    for _ in range(2):
-        L.launch(fn, (1,), [dev, dev, 64, 0.5], dict(FLAG=True, BLOCK=32))
-    (k,) = fn.compiled.values()
+    fn, k = _launched_twice([dev, dev, 64, 0.5])
     assert k.calls[-1][9:] == (dev.data_ptr(), dev.data_ptr(), 64, 0.5, 32, True), "same arguments either way"
     assert bool(L._C_FN) is c_binder
     monkeypatch.setenv("MPTP_C_BINDER", "1" if value in ("0", "off") else "0")
