@@ -94,15 +94,15 @@ def _prepare(args):
                 if d is None:
                     d = _DTYPES[a.dtype] = len(_DTYPES)
                 p = a.data_ptr()
-                hit = seen[id(a)] = ((128 | (d << 1) | (p & 15 == 0)) if d < 63 else _EXTRA,
-                                     p if ints and a.is_cuda else a)  # fmt: skip
+                c = (128 | (d << 1) | (p & 15 == 0)) if d < 63 else _EXTRA
+                hit = seen[id(a)] = (c, p if ints and a.is_cuda else a, _extra(a) if c == _EXTRA else None)
             else:
                 c = _code(a)
                 hit = seen[id(a)] = (c, a, _extra(a) if c == _EXTRA else None)
         code(hit[0])
         put(hit[1])
         if hit[0] == _EXTRA:
-            extras.append(hit[2] if len(hit) > 2 else _extra(a))
+            extras.append(hit[2])
     return bytes(codes), tuple(extras), call
 
 
