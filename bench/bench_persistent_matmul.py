@@ -33,7 +33,7 @@ def make(M, N, K, kind):
     return A8, B8, torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
 
 
-def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat")):
+def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat"), stream_k=True, tune_sk=False):
     A, B, sa, sb = make(M, N, K, kind)
     if kind == "bf16":
         cublas = lambda: torch.mm(A, B)  # noqa: E731
@@ -44,13 +44,18 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     out = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16)]
     flags = torch.ones(W, dtype=torch.int32, device="cuda")  # pre-set: all chunks arrived
     order = torch.arange(W, dtype=torch.int32, device="cuda")
-    def run(kernel="auto", consumer=False):
+    def run(kernel="auto", consumer=False, stream_k=None):
         extra = dict(num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER) if consumer else {}
-        return lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, kernel=kernel, **extra, **kw)
+        return lambda: pm.persistent_matmul(A, [B], outs=out, config=cfg, kernel=kernel, stream_k=stream_k,
+                                            **extra, **kw)  # fmt: skip
 
     # Correctness guard: a fast wrong kernel is worthless.
     ref = cublas().float()
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
+    if stream_k:  # the default path without the stream-K split (whole tiles only), same run
+        fns["mptp_whole_tiles"] = run(stream_k=False)
+    if cfg is not None and tune_sk:  # --tune --sk: this config with the split wherever it applies
+        fns["mptp_sk"] = run(stream_k=True)
     for k in kernels:
         fns[f"mptp_{k}"] = run(k)
     for name in list(fns)[1:]:
@@ -67,7 +72,7 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     return fns
 
 
-def tune(kinds, Ms, out_dir, kernel="auto", Ns=None):
+def tune(kinds, Ms, out_dir, kernel="auto", Ns=None, sk=False):
     """Config sweep, each candidate timed from a CUDA graph (GPU time, no launch cost)."""
 
     def graph_us(fn):
@@ -90,15 +95,18 @@ def tune(kinds, Ms, out_dir, kernel="auto", Ns=None):
                 if kind == "bf16" and c.BLOCK_K == 128 and c.num_stages > 3:
                     continue
                 try:
-                    fns = providers(M, N, K, kind, c, kernels=() if kernel == "auto" else (kernel,))
+                    fns = providers(M, N, K, kind, c, kernels=() if kernel == "auto" else (kernel,), stream_k=False,
+                                    tune_sk=sk)  # fmt: skip
                     res.append((graph_us(fns["mptp" if kernel == "auto" else f"mptp_{kernel}"]), c))
+                    if "mptp_sk" in fns:
+                        res.append((graph_us(fns["mptp_sk"]), f"{c} stream-K"))
                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                     print(f"skip {c}: {type(e).__name__}")
             t, c = min(res, key=lambda x: x[0])
             lines.append(f"{kind} {kernel} M={M} N={N} K={K} cublas={base:.1f}us best={t:.1f}us ratio={base / t:.3f} {c}")
             print(lines[-1], flush=True)
     if out_dir:
-        with open(os.path.join(out_dir, f"tune_{kernel}.txt"), "a") as f:
+        with open(os.path.join(out_dir, f"tune_{kernel}{'_sk' if sk else ''}.txt"), "a") as f:
             f.write("\n".join(lines) + "\n")
 
 
@@ -109,20 +117,24 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep configs instead of benchmarking")
     p.add_argument("--kinds", default="bf16,fp8_tensor,fp8_row")
     p.add_argument("--kernel", default="auto", help="--tune: which kernel family (persistent_matmul kernel=)")
-    p.add_argument("--Ns", default=None, help="--tune: only these N (comma-separated)")
+    p.add_argument("--Ns", default=None, help="only these N (comma-separated)")
+    p.add_argument("--sk", action="store_true", help="--tune: also each config with the stream-K split")
     p.add_argument("--out", default=None, help="also copy the CSV here")
     a = p.parse_args()
     Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
     kinds = a.kinds.split(",")
     if a.tune:
-        return tune(kinds, Ms, a.out, a.kernel, [int(n) for n in a.Ns.split(",")] if a.Ns else None)
+        return tune(kinds, Ms, a.out, a.kernel, [int(n) for n in a.Ns.split(",")] if a.Ns else None, a.sk)
     envc = env_columns()
     rows, ratios = [], {(k, t): [] for k in kinds for t in ("", "@graph")}
     for kind in kinds:
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
+            if a.Ns and N not in [int(n) for n in a.Ns.split(",")]:
+                continue
             fns = providers(M, N, K, kind)
             # GPU time without host launch cost, for cuBLAS and ours alike (see bench/NOTES.md).
-            fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer")}))
+            fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer", "mptp_whole_tiles")
+                                    if k in fns}))  # fmt: skip
             times = {name: bench_us(fn) for name, fn in fns.items()}
             for name, us in times.items():
                 base = times["cublas@graph" if name.endswith("@graph") else "cublas"]

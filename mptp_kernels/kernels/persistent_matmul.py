@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..symm.triton_sync import signal_release, wait_acquire
+from ..symm.triton_sync import _elapsed_ns, globaltimer, signal_release, wait_acquire
 from . import epilogue
 from .epilogue import load_result_scale, to_output
 from .launch import launch
@@ -213,13 +213,87 @@ def _persistent_matmul_kernel(
 
 
 @triton.jit
+def _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
+                  A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, GUARD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Scales, bias, output cast and the masked store of one tile (rows below row_end)."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    row_mask = offs_m < row_end
+    col_mask = offs_n < N
+    if A_SCALE_MODE == 1:
+        acc = acc * tl.load(A_SCALE)
+    elif A_SCALE_MODE == 2:
+        acc = acc * tl.load(A_SCALE + offs_m, mask=row_mask, other=0.0)[:, None]
+    if B_SCALE_MODE == 1:
+        acc = acc * tl.load(BS)
+    elif B_SCALE_MODE == 2:
+        acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if RS_MODE != 0:
+        acc = acc * out_factor
+    # int64 rows: rows * N passes 2**31 on large outputs.
+    c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
+    if GUARD:
+        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+    else:
+        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM: tl.constexpr, B_KMAJOR: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The fp32 sum over K blocks k_lo .. k_hi - 1 of one output tile."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_lo, k_hi):
+        off_k = kk * BLOCK_K
+        a = a_desc.load([off_m, off_k])
+        if B_KMAJOR:
+            b = b_desc.load([off_n, off_k]).T
+        else:
+            b = b_desc.load([off_k, off_n])
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
+def _sk_start(j, base, sk_iters, NUM_SMS: tl.constexpr):
+    """First iteration of stream-K share j (shares split sk_iters as evenly as integers allow)."""
+    return base + (j * sk_iters) // NUM_SMS
+
+
+@triton.jit
+def _sk_wait(ptr, timeout_ns):
+    """Spins (acquire, GPU scope) until *ptr != 0; False if timeout_ns passed first."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    if seen == 0:
+        start = globaltimer()
+        while seen == 0:
+            n = 0
+            while (seen == 0) & (n < 1024):
+                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+                n += 1
+            if seen == 0:
+                if _elapsed_ns(start) > timeout_ns:
+                    seen = -1
+    return seen > 0
+
+
+@triton.jit
 def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
-    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag,
+    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, SK_WS, SK_SYNC,
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, STREAM_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     """One B (plain or consumer), TMA (tensor-descriptor) loads.
@@ -230,27 +304,51 @@ def _persistent_matmul_tma_kernel(
     with FLATTEN the compiler may pipeline loads across tiles of one chunk
     (hiding each tile's prologue) but never hoist a load above the wait.
 
+    STREAM_K: the last sk_tiles tiles (in chunk order) are not dealt out whole but split by
+    K iterations into NUM_SMS equal shares, one per program (stream-K: a last wave that would
+    leave SMs idle keeps them all busy). A share starts with the tail of one tile and ends
+    with the head of another. The program holding a tile's head (its first K block) sums it
+    with the later pieces, published by the programs holding them, in share order (a fixed
+    order: the result does not depend on timing), and stores the tile; a program whose share
+    starts inside a tile publishes that piece (fp32, SK_WS[share]) and its flag
+    (SK_SYNC[2 + share], release) once it has done the tiles dealt out whole.
+    NOTE: shares are handed out by ticket (SK_SYNC[0], taken at the program's start), share
+    NUM_SMS - 1 - ticket: a program only ever waits for pieces of programs that took their
+    ticket before it, so they are running already, and nothing waits for a program that never
+    got an SM (whatever else holds SMs). The last program to finish (SK_SYNC[1]) zeroes the
+    tickets and the flags for the next launch (SK_SYNC is per stream, or per captured launch).
+
     NOTE: a tile may load rows past its chunk (another chunk's, maybe not yet
     arrived); they only feed output rows that the masked store drops.
     """
     pid = tl.program_id(0)
     if GUARD:  # as in _persistent_matmul_kernel
         ok = tl.load(err_ptr, volatile=True) == 0
+    else:
+        ok = True
+    if STREAM_K:
+        ticket = tl.atomic_add(SK_SYNC, 1, sem="acq_rel", scope="gpu")
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_chunk = pid_m_per_chunk * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     out_factor = load_result_scale(RS, RS_MODE)
+    dp_tiles = tiles_per_chunk * NUM_CHUNKS
+    if STREAM_K:
+        dp_tiles -= sk_tiles
     for idx in range(NUM_CHUNKS):
         chunk = tl.load(order_ptr + idx)
         # First tile of this chunk that is ours: global index idx * tiles_per_chunk + t == pid (mod NUM_SMS).
         first = (pid + NUM_SMS - (idx * tiles_per_chunk) % NUM_SMS) % NUM_SMS
+        last = tiles_per_chunk
+        if STREAM_K:
+            last = min(tiles_per_chunk, dp_tiles - idx * tiles_per_chunk)
         if MODE == 1:
-            if first < tiles_per_chunk:
+            if first < last:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
         row_start = chunk * chunk_m
-        for t in tl.range(first, tiles_per_chunk, NUM_SMS, flatten=FLATTEN):
+        for t in tl.range(first, last, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
             off_m = row_start + pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -266,29 +364,70 @@ def _persistent_matmul_tma_kernel(
                     acc = tl.dot(a, b, acc)
                 else:
                     acc += tl.dot(a, b)
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            row_mask = offs_m < row_start + chunk_m
-            col_mask = offs_n < N
-            if A_SCALE_MODE == 1:
-                acc = acc * tl.load(A_SCALE)
-            elif A_SCALE_MODE == 2:
-                acc = acc * tl.load(A_SCALE + offs_m, mask=row_mask, other=0.0)[:, None]
-            if B_SCALE_MODE == 1:
-                acc = acc * tl.load(BS)
-            elif B_SCALE_MODE == 2:
-                acc = acc * tl.load(BS + offs_n, mask=col_mask, other=0.0)[None, :]
-            if HAS_BIAS:
-                acc = acc + tl.load(BIAS + offs_n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            if RS_MODE != 0:
-                acc = acc * out_factor
-            # int64 rows: rows * N passes 2**31 on large outputs.
-            c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
-            if GUARD:
-                tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+            _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+                          A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
+                          BLOCK_M, BLOCK_N)  # fmt: skip
+    if STREAM_K:
+        share = NUM_SMS - 1 - ticket
+        base = dp_tiles * k_tiles
+        sk_iters = sk_tiles * k_tiles
+        it = _sk_start(share, base, sk_iters, NUM_SMS)
+        it_end = _sk_start(share + 1, base, sk_iters, NUM_SMS)
+        offs_wm = tl.arange(0, BLOCK_M)
+        offs_wn = tl.arange(0, BLOCK_N)
+        tile_elems = BLOCK_M * BLOCK_N
+        while it < it_end:
+            g = it // k_tiles
+            k_lo = it - g * k_tiles
+            k_hi = min(k_tiles, k_lo + (it_end - it))
+            idx = g // tiles_per_chunk
+            t = g - idx * tiles_per_chunk
+            chunk = tl.load(order_ptr + idx)
+            if MODE == 1:
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
+            row_start = chunk * chunk_m
+            pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
+            off_m = row_start + pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+            if k_lo != 0:
+                # Not the tile's head: publish the piece for the program that holds the head.
+                w_ptrs = SK_WS + share.to(tl.int64) * tile_elems + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
+                tl.store(w_ptrs, acc)
+                tl.debug_barrier()  # every thread's stores before the release below
+                tl.atomic_xchg(SK_SYNC + 2 + share, 1, sem="release", scope="gpu")
             else:
-                tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+                good = share >= 0  # true
+                if k_hi < k_tiles:
+                    # The head of a split tile: add the later pieces in share order.
+                    tile_end = (g + 1) * k_tiles
+                    j = share + 1
+                    while j < NUM_SMS:
+                        s = _sk_start(j, base, sk_iters, NUM_SMS)
+                        if s >= tile_end:
+                            j = NUM_SMS
+                        else:
+                            if _sk_start(j + 1, base, sk_iters, NUM_SMS) > s:  # an empty share published nothing
+                                # NOTE: the holder took its ticket before this program: it runs; a
+                                # timeout here means a consumer wait of it timed out first (err set).
+                                got = _sk_wait(SK_SYNC + 2 + j, 2 * timeout_ns + 1_000_000_000)
+                                tl.debug_barrier()
+                                good = good & got
+                                w_ptrs = SK_WS + j.to(tl.int64) * tile_elems + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
+                                acc += tl.load(w_ptrs)
+                            j += 1
+                    acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
+                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+                              A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
+                              BLOCK_M, BLOCK_N)  # fmt: skip
+            it = (g + 1) * k_tiles
+        # The last program out resets the tickets and the flags (stream order: before the next launch).
+        done = tl.atomic_add(SK_SYNC + 1, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SMS - 1:
+            for j in range(0, NUM_SMS):
+                tl.store(SK_SYNC + 2 + j, 0)
+            tl.store(SK_SYNC + 1, 0)
+            tl.store(SK_SYNC, 0)
 
 
 def _tma_ok(A, Bs, scatter_to, mode) -> bool:
@@ -486,6 +625,7 @@ def persistent_matmul(
     tag: int = -1,
     poison: bool = True,
     guard: bool = False,
+    stream_k=None,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -519,6 +659,10 @@ def persistent_matmul(
             Not in consumer mode (err is its waits' record there); pass the device's fail latch
             (symm.primitives.fail_latch, device memory: a host-mapped record's reads, one per
             warp, queue over PCIe, ~1 ms per launch measured on an H100).
+        stream_k: TMA kernels only. None: with the default config, split the last waves by K
+            iterations (stream-K, SK_CONFIG's tiles) where whole tiles would leave SMs idle
+            (stream_k_tiles); False: never; True: with this call's config, where
+            stream_k_tiles says so; an int n > 0: split the last n tiles (tests).
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -562,6 +706,8 @@ def persistent_matmul(
     if has_bias:
         assert all(b is not None for b in biases), "all or none of the Bs have a bias"
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
+    if stream_k is not None and (type(stream_k) not in (bool, int) or stream_k < 0):
+        raise ValueError(f"persistent_matmul: stream_k must be None, a bool or an int >= 0, got {stream_k!r}")
     if kernel not in KERNELS:
         raise ValueError(f"persistent_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
     auto = kernel == "auto"
@@ -572,9 +718,12 @@ def persistent_matmul(
         raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no scatter, no producer mode, "
                          "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
     if kernel != "pointer":
+        sk_config = None
+        if stream_k is None and config is None and not _interpreting():
+            sk_config = SK_CONFIG.get("fp8" if fp8 else "16bit")
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
-                result_scale if result_scale is not None else dummy_f, tag, fp8_out, guard)
+                result_scale if result_scale is not None else dummy_f, tag, fp8_out, guard, stream_k, sk_config)
         if not auto:
             return _poisoned(_launch_tma(*args), mode, err, poison)
         # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
@@ -631,32 +780,92 @@ def persistent_matmul(
 TensorDescriptor = None
 
 
+# Stream-K (the TMA kernel's STREAM_K): "auto" splits the last waves of a call by K iterations
+# where whole tiles would leave SMs idle: when the tiles fill at most SK_MAX_FILL of the SMs'
+# whole-tile waves, with SK_CONFIG's tiles (large tiles, which run faster per SM than the small
+# ones that would fill the waves). False: never in "auto" (bench/profile comparisons).
+STREAM_K = False  # off until measured on a GPU (issue 14)
+SK_MAX_FILL = 0.9
+SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
+_SK_BUFS = {}
+
+
+def stream_k_tiles(tiles: int, sms: int, k_tiles: int) -> int:
+    """Tiles to split by K (the last wave and one whole wave before it, so no share is a
+    sliver), or 0 where whole-tile waves fill at least SK_MAX_FILL of the SMs' time."""
+    if tiles <= 0 or sms <= 1 or k_tiles < 2:
+        return 0
+    waves = -(-tiles // sms)
+    if tiles >= SK_MAX_FILL * waves * sms:
+        return 0
+    return tiles - max(tiles // sms - 1, 0) * sms
+
+
+def _sk_buffers(dev, sms, cfg):
+    """(pieces, sync) for a stream-K launch: fp32 [sms, BLOCK_M * BLOCK_N] pieces and the int32
+    [2 + sms] tickets / finish count / flags, zero between launches (the kernel's last program
+    resets them). NOTE: one pair per stream (launches on a stream run one after another); a
+    launch captured into a CUDA graph gets its own, zeroed by the graph itself, so a replay
+    shares nothing with eager launches or other graphs."""
+    n = sms * cfg.BLOCK_M * cfg.BLOCK_N
+    if dev.type != "cuda":  # the interpreter (tests)
+        return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    bufs = _SK_BUFS.get(key)
+    if bufs is None or bufs[0].numel() < n or bufs[1].numel() < 2 + sms:
+        bufs = _SK_BUFS[key] = (torch.empty(n, device=dev, dtype=torch.float32),
+                                torch.zeros(2 + sms, device=dev, dtype=torch.int32))  # fmt: skip
+    return bufs
+
+
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
-                biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False):
+                biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False,
+                stream_k=None, sk_config=None):
+    """stream_k: None (STREAM_K decides, with sk_config's tiles where it splits), True (split
+    with cfg's tiles wherever stream_k_tiles says so), False (whole tiles)."""
     global TensorDescriptor
     if TensorDescriptor is None:  # imported at the first TMA launch (a Triton without it raises here)
         from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = A.shape
     N = B.shape[1]
     dev = A.device
+    sk_tiles = 0
+    if stream_k is None and STREAM_K and sk_config is not None:
+        tiles = num_chunks * _cdiv(M // num_chunks, sk_config.BLOCK_M) * _cdiv(N, sk_config.BLOCK_N)
+        sk_tiles = stream_k_tiles(tiles, sms, _cdiv(K, sk_config.BLOCK_K))
+        if sk_tiles:
+            cfg = sk_config
+    elif stream_k:
+        tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
+        if stream_k is True:
+            sk_tiles = stream_k_tiles(tiles, sms, _cdiv(K, cfg.BLOCK_K))
+        else:
+            sk_tiles = min(int(stream_k), tiles)
     a_desc = TensorDescriptor.from_tensor(A, [cfg.BLOCK_M, cfg.BLOCK_K])
     kmajor = B.stride(1) != 1
     b_desc = (TensorDescriptor.from_tensor(B.t(), [cfg.BLOCK_N, cfg.BLOCK_K]) if kmajor
               else TensorDescriptor.from_tensor(B, [cfg.BLOCK_K, cfg.BLOCK_N]))  # fmt: skip
-    tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
-    grid = (max(1, min(sms, tiles)),)
+    if sk_tiles:
+        grid = (sms,)  # every program takes a share of the split tiles
+        pieces, sync = _sk_buffers(dev, sms, cfg)
+    else:
+        tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
+        grid = (max(1, min(sms, tiles)),)
+        pieces = sync = _dummy(dev, torch.int32)
     args = [
         a_desc, b_desc, C,
         _flat(A_scale) if A_scale is not None else _dummy(dev),
         _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
         _flat(biases[0]) if biases is not None else _dummy(dev),
         result_scale,
-        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag,
+        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, pieces, sync,
     ]  # fmt: skip
     constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
         B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        STREAM_K=sk_tiles > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0],
     )  # fmt: skip
     launch(_persistent_matmul_tma_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

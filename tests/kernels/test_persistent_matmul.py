@@ -290,9 +290,10 @@ def test_forced_tma_kernel_refuses_what_it_cannot_serve():
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: the interpreter cannot overlap a late writer")
 @pytest.mark.parametrize("kernel,dtype", [("pointer", torch.bfloat16), ("tma", torch.bfloat16),
                                           ("tma_flat", torch.bfloat16), ("pointer", FP8), ("tma_flat", FP8)])
-def test_consumer_waits_for_late_flags(kernel, dtype):
+@pytest.mark.parametrize("N", [1024, 768])  # 768: the TMA kernels split the last tiles (stream-K)
+def test_consumer_waits_for_late_flags(kernel, dtype, N):
     """Flags are set by another stream after a delay: tiles must not read rows before it."""
-    W, M, K, N = 4, 4096, 1024, 1024
+    W, M, K = 4, 4096, 1024
     A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
     A_late = torch.zeros_like(A)  # rows arrive chunk by chunk from a copy stream
     flags = torch.zeros(W, dtype=torch.int32, device=DEV)
@@ -732,3 +733,162 @@ def test_fp8_out_matches_the_reference_cuda(kernel, out_dtype, rs_case):
     finite = r.isfinite()
     ulps = (_fp8_ordered(C) - _fp8_ordered(ref)).abs()[finite.cpu()]
     assert ulps.max().item() <= 1, f"{ulps.max().item()} FP8 ulps from torch._scaled_mm"
+
+
+# -- stream-K -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sk_buffers(monkeypatch):
+    """The stream-K launch's pieces (NaN: a piece read before it was written shows) and sync words,
+    kept to look at after the launch."""
+    seen = []
+    real = pm._sk_buffers
+
+    def spy(dev, sms, cfg):
+        pieces, sync = real(dev, sms, cfg)
+        pieces.fill_(float("nan"))
+        seen.append((pieces, sync))
+        return pieces, sync
+
+    monkeypatch.setattr(pm, "_sk_buffers", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", TMA_KERNELS)
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "W,M,K,N,sms,split",
+    [
+        (1, 64, 96, 48, 4, 5),  # 12 tiles, the last 5 split over 4 shares: pieces cross tiles
+        (3, 96, 160, 64, 7, True),  # the policy's split (10 of 24 tiles) over chunks in rotated order
+        (2, 64, 64, 32, 7, 100),  # every tile split, shares shorter than a tile
+        (1, 32, 32, 32, 9, 1),  # one tile of two K blocks over 9 shares: empty shares
+    ],
+)
+def test_stream_k_matches_the_reference(kernel, dtype, W, M, K, N, sms, split, sk_buffers):
+    """The split tiles: every piece summed once, in every chunk order; the sync words zero again."""
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    out_dtype = torch.float32 if dtype == FP8 else dtype
+    cfg = pm.Config(16, 16, 16, 2, 4, 2) if K <= 32 else pm.Config(16, 16, 32, 2, 4, 2)
+    ref = A.double().cpu() @ B.double().cpu()
+    eager = (A.float() @ B.float()).to(out_dtype)
+    for rank in range(W):
+        order = torch.tensor([(rank + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+        flags = torch.ones(W, dtype=torch.int32, device=DEV)
+        mode = pm.MODE_CONSUMER if W > 1 else pm.MODE_PLAIN
+        (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), out_dtype), num_chunks=W, order=order,
+                                    flags=flags, mode=mode, kernel=kernel, config=cfg, num_sms=sms,
+                                    stream_k=split)  # fmt: skip
+        assert_matmul_close(C, ref, eager, k=2.0, atol=1e-5)
+    assert len(sk_buffers) == W, "stream-K did not run"
+    for pieces, sync in sk_buffers:
+        assert not torch.isnan(pieces).all(), "no piece was published"
+        assert (sync == 0).all(), f"sync words not reset: {sync.tolist()}"
+
+
+@pytest.mark.parametrize("a_mode,with_bias", [("tensor", True), ("row", False), ("row", True)])
+def test_stream_k_fp8_scales_bias(a_mode, with_bias, sk_buffers):
+    """Scales and bias are applied once, after the pieces are summed."""
+    M, K, N = 64, 128, 48
+    A, (B,) = _inputs(M, K, (N,), FP8, SEED, col_major_b=True)
+    if a_mode == "tensor":
+        A_scale, B_scale = torch.tensor(0.7, device=DEV), torch.tensor(1.3, device=DEV)
+    else:
+        A_scale = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
+        B_scale = (randn((1, N), SEED + 8).abs() + 0.5).to(DEV)
+    bias = randn((N,), SEED + 20).to(DEV, torch.float16) if with_bias else None
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), A_scale=A_scale, B_scales=[B_scale],
+                                biases=[bias] if with_bias else None, kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2),
+                                num_sms=5, stream_k=7)  # fmt: skip
+    assert sk_buffers, "stream-K did not run"
+    ref = (A.double().cpu() * A_scale.double().cpu()) @ (B.double().cpu() * B_scale.double().cpu())
+    if with_bias:
+        ref = ref + bias.double().cpu()
+    assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
+
+
+def test_stream_k_is_deterministic():
+    """The pieces of a tile are summed in share order: two runs agree bit for bit."""
+    A, (B,) = _inputs(64, 256, (32,), torch.float16, SEED)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=6, stream_k=8)
+    (C1,) = pm.persistent_matmul(A, [B], **kw)
+    (C2,) = pm.persistent_matmul(A, [B], **kw)
+    assert torch.equal(C1, C2)
+
+
+def test_stream_k_tiles_policy():
+    """Split only where whole tiles leave SMs idle; then the last wave and one before it."""
+    assert pm.stream_k_tiles(384, 132, 64) == 0  # 2.9 waves: 97% full
+    assert pm.stream_k_tiles(192, 132, 64) == 192  # 1.45 waves: all of it
+    assert pm.stream_k_tiles(320, 132, 128) == 320 - 132  # 2.4 waves: the last 1.4
+    assert pm.stream_k_tiles(96, 132, 64) == 96  # fewer tiles than SMs
+    assert pm.stream_k_tiles(96, 132, 1) == 0  # nothing to split by K
+    assert pm.stream_k_tiles(0, 132, 64) == 0
+
+
+def test_stream_k_argument_checked():
+    A, (B,) = _inputs(32, 32, (16,), torch.float16, SEED)
+    with pytest.raises(ValueError, match="stream_k"):
+        pm.persistent_matmul(A, [B], kernel="tma", stream_k=-1)
+    with pytest.raises(ValueError, match="stream_k"):
+        pm.persistent_matmul(A, [B], kernel="tma", stream_k="yes")
+
+
+GPU_SK_SHAPES = [(torch.bfloat16, 4096, 768, 4096), (torch.bfloat16, 8192, 1280, 8192), (FP8, 4096, 1280, 8192)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: production tile sizes")
+@pytest.mark.parametrize("dtype,M,N,K", GPU_SK_SHAPES, ids=str)
+def test_stream_k_at_production_size(dtype, M, N, K, sk_buffers):
+    """Small-N Llama shapes take the stream-K split by default and match the reference."""
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    out_dtype = torch.bfloat16
+    kw = dict(A_scale=torch.tensor(0.5, device=DEV), B_scales=[torch.tensor(2.0, device=DEV)]) if dtype == FP8 else {}
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), out_dtype), **kw)
+    assert sk_buffers, "the default path did not split this shape"
+    ref = A.double() @ B.double()
+    assert_matmul_close(C, ref, (A.float() @ B.float()).to(out_dtype), k=2.0, atol=1e-5)
+    assert (sk_buffers[-1][1] == 0).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_stream_k_while_another_kernel_holds_the_sms():
+    """Programs start late, a few at a time, behind a matmul on another stream: the split tiles
+    still complete (a program waits only for programs that started before it), every time."""
+    A, (B,) = _inputs(4096, 4096, (768,), torch.bfloat16, SEED)
+    big = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ref = A.double() @ B.double()
+    eager = (A.float() @ B.float()).bfloat16()
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                big = (big @ big) * (1 / 8192**0.5)
+        (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(4096, (768,), torch.bfloat16), stream_k=None)
+        torch.cuda.synchronize()
+        assert_matmul_close(C, ref, eager, k=2.0, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: CUDA graphs")
+def test_stream_k_in_a_cuda_graph_and_eager_between_replays():
+    """A captured stream-K launch replays right (its sync words are the graph's own, zeroed by the
+    graph) with eager stream-K launches in between."""
+    M, N, K = 4096, 768, 4096
+    A, (B,) = _inputs(M, K, (N,), torch.bfloat16, SEED)
+    static_A = A.clone()
+    pm.persistent_matmul(static_A, [B])  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        (C,) = pm.persistent_matmul(static_A, [B])
+    for i in range(3):
+        Ai = _inputs(M, K, (N,), torch.bfloat16, SEED + 100 + i)[0]
+        static_A.copy_(Ai)
+        C.fill_(float("nan"))
+        g.replay()
+        (E,) = pm.persistent_matmul(Ai * 2, [B])  # eager, same stream, between replays
+        torch.cuda.synchronize()
+        ref = Ai.double() @ B.double()
+        assert_matmul_close(C, ref, (Ai.float() @ B.float()).bfloat16(), k=2.0, atol=1e-5)
+        assert_matmul_close(E, 2 * ref, (2 * Ai.float() @ B.float()).bfloat16(), k=2.0, atol=1e-5)
