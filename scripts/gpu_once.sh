@@ -5,7 +5,7 @@
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
-# STAGES=0 skips the stage profiles; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
+# STAGES=0 skips the stage profiles; HOST=0 the host profile; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
 # the cost-model check and the loopback ops.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
@@ -23,8 +23,10 @@ step() {  # step NAME MAX_S LOG CMD...
   MPTP_RESULTS_DIR="$OUT/bench" timeout "$t" "$@" > "$OUT/bench/$log" 2>&1
   echo "== $name: exit $?" | tee -a "$OUT/bench/steps.txt"
 }
-step host 60 profile_host.txt python3 bench/profile_host.py --calls 300
-head -24 "$OUT/bench/profile_host.txt"
+if [ "${HOST:-1}" = 1 ]; then  # HOST=0 skips the host-cost profile
+  step host 60 profile_host.txt python3 bench/profile_host.py --calls 300
+  head -24 "$OUT/bench/profile_host.txt"
+fi
 if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
   step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
   grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
