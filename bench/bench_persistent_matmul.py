@@ -52,8 +52,11 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     # Correctness guard: a fast wrong kernel is worthless.
     ref = cublas().float()
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
-    if stream_k:  # the default path without the stream-K split (whole tiles only), same run
+    if stream_k:  # the default path with whole tiles only, and with each way of splitting the last wave
         fns["mptp_whole_tiles"] = run(stream_k=False)
+        fns["mptp_split"] = run(stream_k="split")
+        fns["mptp_stream"] = run(stream_k="stream")
+        fns["mptp_consumer_split"] = run(consumer=True, stream_k="split")
     if cfg is not None and tune_sk:  # --tune --sk: this config with the split wherever it applies
         fns["mptp_sk"] = run(stream_k=True)
     for k in kernels:
@@ -120,6 +123,7 @@ def main():
     p.add_argument("--Ns", default=None, help="only these N (comma-separated)")
     p.add_argument("--sk", action="store_true", help="--tune: also each config with the stream-K split")
     p.add_argument("--out", default=None, help="also copy the CSV here")
+    p.add_argument("--kernels", default="", help="also these kernel families forced (pointer,tma,tma_flat)")
     a = p.parse_args()
     Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
     kinds = a.kinds.split(",")
@@ -131,9 +135,10 @@ def main():
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
             if a.Ns and N not in [int(n) for n in a.Ns.split(",")]:
                 continue
-            fns = providers(M, N, K, kind)
+            fns = providers(M, N, K, kind, kernels=a.kernels.split(",") if a.kernels else ())
             # GPU time without host launch cost, for cuBLAS and ours alike (see bench/NOTES.md).
-            fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer", "mptp_whole_tiles")
+            fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer", "mptp_whole_tiles",
+                                                        "mptp_split", "mptp_stream", "mptp_consumer_split")
                                     if k in fns}))  # fmt: skip
             times = {name: bench_us(fn) for name, fn in fns.items()}
             for name, us in times.items():

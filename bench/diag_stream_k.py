@@ -39,10 +39,12 @@ def case(M, N, K, variants):
 def main():
     torch.manual_seed(0)
     for M, N, K in [(8192, 768, 4096), (4096, 768, 4096), (4096, 1280, 8192)]:
-        case(M, N, K, {"dp_big": (BIG, False), "sk_big": (BIG, True), "dp_small": (SMALL, False),
-                       "sk_small_all": (SMALL, 10**6), "sk_big_132": (BIG, 132)})  # fmt: skip
+        tiles = (M // 128) * -(-N // 256)
+        case(M, N, K, {"dp_big": (BIG, False), "stream_big": (BIG, pm.stream_k_tiles(tiles, 132, K // 64)),
+                       "split_big": (BIG, True), "dp_small": (SMALL, False), "split_small": (SMALL, True),
+                       "stream_big_132": (BIG, 132)})  # fmt: skip
     # 264 tiles of 128 x 256: split over 132 shares, each exactly two whole tiles (no pieces).
-    case(8448, 1024, 4096, {"dp_big": (BIG, False), "sk_big_whole": (BIG, 264)})
+    case(8448, 1024, 4096, {"dp_big": (BIG, False), "stream_big_whole": (BIG, 264)})
 
 
 if __name__ == "__main__":

@@ -288,11 +288,11 @@ def _sk_wait(ptr, timeout_ns):
 @triton.jit
 def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
-    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, SK_WS, SK_SYNC,
+    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, SK_WS, SK_SYNC,
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, STREAM_K: tl.constexpr,
+    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, SK_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
@@ -304,7 +304,11 @@ def _persistent_matmul_tma_kernel(
     with FLATTEN the compiler may pipeline loads across tiles of one chunk
     (hiding each tile's prologue) but never hoist a load above the wait.
 
-    STREAM_K: the last sk_tiles tiles (in chunk order) are not dealt out whole but split by
+    SK_MODE 2 (split tail): the last sk_tiles tiles (in chunk order) are not dealt out whole:
+    each is split into `splits` equal K ranges (units), one unit per program, and the unit of
+    K range 0 (the owner) sums its own part with the others' (published as below) in split
+    order and stores the tile.
+    SK_MODE 1 (stream-K): the last sk_tiles tiles (in chunk order) are not dealt out whole but split by
     K iterations into NUM_SMS equal shares, one per program (stream-K: a last wave that would
     leave SMs idle keeps them all busy). A share starts with the tail of one tile and ends
     with the head of another. The program holding a tile's head (its first K block) sums it
@@ -312,9 +316,9 @@ def _persistent_matmul_tma_kernel(
     order: the result does not depend on timing), and stores the tile; a program whose share
     starts inside a tile publishes that piece (fp32, SK_WS[share]) and its flag
     (SK_SYNC[2 + share], release) once it has done the tiles dealt out whole.
-    NOTE: shares are handed out by ticket (SK_SYNC[0], taken at the program's start), share
-    NUM_SMS - 1 - ticket: a program only ever waits for pieces of programs that took their
-    ticket before it, so they are running already, and nothing waits for a program that never
+    NOTE: shares (units) are handed out by ticket (SK_SYNC[0], taken at the program's start),
+    share NUM_SMS - 1 - ticket (owners hold their tile's highest tickets): a program only ever
+    waits for pieces of programs that took their ticket before it, so they are running already, and nothing waits for a program that never
     got an SM (whatever else holds SMs). The last program to finish (SK_SYNC[1]) zeroes the
     tickets and the flags for the next launch (SK_SYNC is per stream, or per captured launch).
 
@@ -326,7 +330,7 @@ def _persistent_matmul_tma_kernel(
         ok = tl.load(err_ptr, volatile=True) == 0
     else:
         ok = True
-    if STREAM_K:
+    if SK_MODE != 0:
         ticket = tl.atomic_add(SK_SYNC, 1, sem="acq_rel", scope="gpu")
     chunk_m = M // NUM_CHUNKS
     pid_m_per_chunk = tl.cdiv(chunk_m, BLOCK_M)
@@ -335,14 +339,14 @@ def _persistent_matmul_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     out_factor = load_result_scale(RS, RS_MODE)
     dp_tiles = tiles_per_chunk * NUM_CHUNKS
-    if STREAM_K:
+    if SK_MODE != 0:
         dp_tiles -= sk_tiles
     for idx in range(NUM_CHUNKS):
         chunk = tl.load(order_ptr + idx)
         # First tile of this chunk that is ours: global index idx * tiles_per_chunk + t == pid (mod NUM_SMS).
         first = (pid + NUM_SMS - (idx * tiles_per_chunk) % NUM_SMS) % NUM_SMS
         last = tiles_per_chunk
-        if STREAM_K:
+        if SK_MODE != 0:
             last = min(tiles_per_chunk, dp_tiles - idx * tiles_per_chunk)
         if MODE == 1:
             if first < last:
@@ -367,7 +371,7 @@ def _persistent_matmul_tma_kernel(
             _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
                           A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
                           BLOCK_M, BLOCK_N)  # fmt: skip
-    if STREAM_K:
+    if SK_MODE == 1:
         share = NUM_SMS - 1 - ticket
         base = dp_tiles * k_tiles
         sk_iters = sk_tiles * k_tiles
@@ -421,6 +425,46 @@ def _persistent_matmul_tma_kernel(
                               A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
                               BLOCK_M, BLOCK_N)  # fmt: skip
             it = (g + 1) * k_tiles
+    if SK_MODE == 2:
+        # Unit `ticket` (if any): split `splits - 1 - ticket // sk_tiles` of split tile ticket % sk_tiles.
+        # Split 0 (the tile's owner) holds the highest tickets of its tile's units.
+        if ticket < sk_tiles * splits:
+            split = splits - 1 - ticket // sk_tiles
+            g = dp_tiles + (ticket - (ticket // sk_tiles) * sk_tiles)
+            k_per = tl.cdiv(k_tiles, splits)
+            k_lo = split * k_per
+            k_hi = min(k_tiles, k_lo + k_per)
+            idx = g // tiles_per_chunk
+            t = g - idx * tiles_per_chunk
+            chunk = tl.load(order_ptr + idx)
+            if MODE == 1:
+                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
+            row_start = chunk * chunk_m
+            pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
+            off_m = row_start + pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+            offs_wm = tl.arange(0, BLOCK_M)
+            offs_wn = tl.arange(0, BLOCK_N)
+            if split != 0:
+                w_ptrs = SK_WS + ticket.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
+                tl.store(w_ptrs, acc)
+                tl.debug_barrier()  # every thread's stores before the release below
+                tl.atomic_xchg(SK_SYNC + 2 + ticket, 1, sem="release", scope="gpu")
+            else:
+                good = ticket >= 0  # true
+                for sp in range(1, splits):  # fixed order: split 1, 2, ...
+                    j = ticket - sp * sk_tiles
+                    got = _sk_wait(SK_SYNC + 2 + j, 2 * timeout_ns + 1_000_000_000)
+                    tl.debug_barrier()
+                    good = good & got
+                    w_ptrs = SK_WS + j.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
+                    acc += tl.load(w_ptrs)
+                acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
+                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+                              A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
+                              BLOCK_M, BLOCK_N)  # fmt: skip
+    if SK_MODE != 0:
         # The last program out resets the tickets and the flags (stream order: before the next launch).
         done = tl.atomic_add(SK_SYNC + 1, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SMS - 1:
@@ -659,10 +703,12 @@ def persistent_matmul(
             Not in consumer mode (err is its waits' record there); pass the device's fail latch
             (symm.primitives.fail_latch, device memory: a host-mapped record's reads, one per
             warp, queue over PCIe, ~1 ms per launch measured on an H100).
-        stream_k: TMA kernels only. None: with the default config, split the last waves by K
-            iterations (stream-K, SK_CONFIG's tiles) where whole tiles would leave SMs idle
-            (stream_k_tiles); False: never; True: with this call's config, where
-            stream_k_tiles says so; an int n > 0: split the last n tiles (tests).
+        stream_k: TMA kernels only. None: as STREAM_K says, with the default config or
+            SK_CONFIG's, where whole tiles would leave SMs idle in the last wave; False: never;
+            "split" / "stream": as None with that mode;
+            True: with this call's config, STREAM_K's mode (default "split"); an int n > 0:
+            stream-K over the last n tiles; ("split", R, s): the last R tiles in s K ranges
+            (tests).
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -706,8 +752,13 @@ def persistent_matmul(
     if has_bias:
         assert all(b is not None for b in biases), "all or none of the Bs have a bias"
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
-    if stream_k is not None and (type(stream_k) not in (bool, int) or stream_k < 0):
-        raise ValueError(f"persistent_matmul: stream_k must be None, a bool or an int >= 0, got {stream_k!r}")
+    if stream_k is not None and not (
+        (type(stream_k) in (bool, int) and stream_k >= 0)
+        or stream_k in ("split", "stream")
+        or (type(stream_k) is tuple and len(stream_k) == 3 and stream_k[0] == "split" and stream_k[1] >= 0 and stream_k[2] >= 1)
+    ):
+        raise ValueError(f"persistent_matmul: stream_k must be None, a bool, 'split', 'stream', an int >= 0 or "
+                         f"('split', R, s), got {stream_k!r}")  # fmt: skip
     if kernel not in KERNELS:
         raise ValueError(f"persistent_matmul: kernel must be one of {KERNELS}, got {kernel!r}")
     auto = kernel == "auto"
@@ -719,7 +770,7 @@ def persistent_matmul(
                          "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
     if kernel != "pointer":
         sk_config = None
-        if stream_k is None and config is None and not _interpreting():
+        if (stream_k is None or type(stream_k) is str) and config is None and not _interpreting():
             sk_config = SK_CONFIG.get("fp8" if fp8 else "16bit")
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
@@ -780,25 +831,82 @@ def persistent_matmul(
 TensorDescriptor = None
 
 
-# Stream-K (the TMA kernel's STREAM_K): "auto" splits the last waves of a call by K iterations
-# where whole tiles would leave SMs idle: when the tiles fill at most SK_MAX_FILL of the SMs'
-# whole-tile waves, with SK_CONFIG's tiles (large tiles, which run faster per SM than the small
-# ones that would fill the waves). False: never in "auto" (bench/profile comparisons).
-STREAM_K = False  # off until measured on a GPU (issue 14)
-SK_MAX_FILL = 0.9
+# Splitting tiles by K (the TMA kernel's SK_MODE), where whole tiles would leave SMs idle in the
+# last wave. "split" (SK_MODE 2): the R tiles of the last, partial wave are each split into s
+# equal K ranges (s = SMS // R), so the last wave takes 1 / s of a tile's time, with every split
+# tile's units at the same K offsets (the A rows and B columns they share are read from L2 at
+# about the same time, as whole tiles are). "stream" (SK_MODE 1): stream-K, every program an
+# equal share of the last waves' K iterations; measured slower (bench/NOTES.md).
+# STREAM_K: what "auto" does (None: never). The candidates are the call's default config and
+# SK_CONFIG (large tiles, faster per SM: SK_TILE_EFF is the default small tiles' speed
+# relative to them), whichever is estimated faster.
+STREAM_K = None  # off until measured on a GPU (issue 14)
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
+SK_TILE_EFF = 0.87
+SK_MAX_SPLIT = 8
 _SK_BUFS = {}
 
 
 def stream_k_tiles(tiles: int, sms: int, k_tiles: int) -> int:
-    """Tiles to split by K (the last wave and one whole wave before it, so no share is a
-    sliver), or 0 where whole-tile waves fill at least SK_MAX_FILL of the SMs' time."""
+    """Stream-K: tiles to split (the last wave and one whole wave before it, so no share is a
+    sliver), or 0 where whole-tile waves fill at least 90% of the SMs' time."""
     if tiles <= 0 or sms <= 1 or k_tiles < 2:
         return 0
     waves = -(-tiles // sms)
-    if tiles >= SK_MAX_FILL * waves * sms:
+    if tiles >= 0.9 * waves * sms:
         return 0
     return tiles - max(tiles // sms - 1, 0) * sms
+
+
+def split_tail(tiles: int, sms: int, k_tiles: int):
+    """(R, s): the last R tiles split into s K ranges each (R * s <= sms), or (0, 1)."""
+    r = tiles % sms
+    if r == 0 or sms <= 1:
+        return 0, 1
+    s = min(sms // r, k_tiles, SK_MAX_SPLIT)
+    return (r, s) if s > 1 else (0, 1)
+
+
+def _waves(tiles: int, sms: int, k_tiles: int, mode: str) -> float:
+    """Tile times a launch takes with this mode's split (whole waves, plus the split last one)."""
+    if mode == "split":
+        r, s = split_tail(tiles, sms, k_tiles)
+        if r:
+            return tiles // sms + 1.0 / s
+    return float(-(-tiles // sms))
+
+
+def _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k):
+    """(config, SK_MODE, sk_tiles, splits) for a TMA launch."""
+    def tiles_of(c):
+        return num_chunks * _cdiv(M // num_chunks, c.BLOCK_M) * _cdiv(N, c.BLOCK_N)
+
+    if stream_k is None or type(stream_k) is str:
+        mode = STREAM_K if stream_k is None else stream_k
+        if mode is None or sk_config is None:
+            return cfg, 0, 0, 1
+        best = None
+        for c, eff in ((cfg, 1.0 if c == sk_config else SK_TILE_EFF) for c in (cfg, sk_config)):
+            t = tiles_of(c)
+            est = _waves(t, sms, _cdiv(K, c.BLOCK_K), mode) * c.BLOCK_M * c.BLOCK_N / eff
+            if best is None or est < best[0]:
+                best = (est, c)
+        cfg = best[1]
+    elif stream_k is False:
+        return cfg, 0, 0, 1
+    elif isinstance(stream_k, tuple):  # ("split", R, s): tests
+        _, r, s = stream_k
+        return cfg, 2, min(r, tiles_of(cfg)), s
+    elif stream_k is True:
+        mode = STREAM_K or "split"
+    else:  # an int: stream-K over the last stream_k tiles (tests)
+        return cfg, 1, min(int(stream_k), tiles_of(cfg)), 1
+    t, kt = tiles_of(cfg), _cdiv(K, cfg.BLOCK_K)
+    if mode == "split":
+        r, s = split_tail(t, sms, kt)
+        return cfg, (2 if r else 0), r, s
+    n = stream_k_tiles(t, sms, kt)
+    return cfg, (1 if n else 0), n, 1
 
 
 def _sk_buffers(dev, sms, cfg):
@@ -823,32 +931,20 @@ def _sk_buffers(dev, sms, cfg):
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
                 biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False,
                 stream_k=None, sk_config=None):
-    """stream_k: None (STREAM_K decides, with sk_config's tiles where it splits), True (split
-    with cfg's tiles wherever stream_k_tiles says so), False (whole tiles)."""
+    """stream_k: see persistent_matmul; sk_config: the large-tile candidate of "auto"."""
     global TensorDescriptor
     if TensorDescriptor is None:  # imported at the first TMA launch (a Triton without it raises here)
         from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = A.shape
     N = B.shape[1]
     dev = A.device
-    sk_tiles = 0
-    if stream_k is None and STREAM_K and sk_config is not None:
-        tiles = num_chunks * _cdiv(M // num_chunks, sk_config.BLOCK_M) * _cdiv(N, sk_config.BLOCK_N)
-        sk_tiles = stream_k_tiles(tiles, sms, _cdiv(K, sk_config.BLOCK_K))
-        if sk_tiles:
-            cfg = sk_config
-    elif stream_k:
-        tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
-        if stream_k is True:
-            sk_tiles = stream_k_tiles(tiles, sms, _cdiv(K, cfg.BLOCK_K))
-        else:
-            sk_tiles = min(int(stream_k), tiles)
+    cfg, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
     a_desc = TensorDescriptor.from_tensor(A, [cfg.BLOCK_M, cfg.BLOCK_K])
     kmajor = B.stride(1) != 1
     b_desc = (TensorDescriptor.from_tensor(B.t(), [cfg.BLOCK_N, cfg.BLOCK_K]) if kmajor
               else TensorDescriptor.from_tensor(B, [cfg.BLOCK_K, cfg.BLOCK_N]))  # fmt: skip
-    if sk_tiles:
-        grid = (sms,)  # every program takes a share of the split tiles
+    if sk_mode:
+        grid = (sms,)  # every program takes a share (a unit) of the split tiles
         pieces, sync = _sk_buffers(dev, sms, cfg)
     else:
         tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
@@ -860,12 +956,12 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
         _flat(biases[0]) if biases is not None else _dummy(dev),
         result_scale,
-        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, pieces, sync,
+        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, splits, pieces, sync,
     ]  # fmt: skip
     constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
         B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
-        STREAM_K=sk_tiles > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SK_MODE=sk_mode, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0],
     )  # fmt: skip
     launch(_persistent_matmul_tma_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

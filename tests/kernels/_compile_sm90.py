@@ -74,6 +74,10 @@ def main():
                              result_scale=one, **consumer)  # fmt: skip
         pm.persistent_matmul(A8, [B8], config=cfg, kernel=kernel, A_scale=torch.ones(M), B_scales=[torch.ones(N)],
                              out_dtype=fp8, result_scale=one)  # fmt: skip
+    # The last wave split by K: stream-K shares, and the split tail (consumer, FP8 with scales).
+    pm.persistent_matmul(A16, [B16], config=cfg, kernel="tma", num_sms=5, stream_k=7)
+    pm.persistent_matmul(A8, [B8], config=cfg, kernel="tma", num_sms=5, stream_k=("split", 2, 2),
+                         A_scale=torch.ones(M), B_scales=[torch.ones(N)], **consumer)  # fmt: skip
     pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, scatter_to=[torch.empty(M // 2, N).half()] * 2)
     pm.persistent_matmul(A16, [B16], config=cfg, num_chunks=2, flags=torch.zeros(2, dtype=torch.int32),
                          counters=torch.zeros(2, dtype=torch.int32), mode=pm.MODE_PRODUCER)  # fmt: skip
@@ -88,6 +92,7 @@ def main():
         row = {
             "kernel": fn.__name__,
             "mode": kwargs.get("MODE"),
+            "sk_mode": kwargs.get("SK_MODE", 0),
             "block_n": kwargs.get("BLOCK_N"),
             "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
             "st_v4": "st.global.v4" in ptx,

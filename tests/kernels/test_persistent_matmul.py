@@ -290,8 +290,8 @@ def test_forced_tma_kernel_refuses_what_it_cannot_serve():
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: the interpreter cannot overlap a late writer")
 @pytest.mark.parametrize("kernel,dtype", [("pointer", torch.bfloat16), ("tma", torch.bfloat16),
                                           ("tma_flat", torch.bfloat16), ("pointer", FP8), ("tma_flat", FP8)])
-@pytest.mark.parametrize("N", [1024, 768])  # 768: the TMA kernels split the last tiles (stream-K)
-def test_consumer_waits_for_late_flags(kernel, dtype, N):
+@pytest.mark.parametrize("N", [1024, 768])  # 768: the TMA kernels split the last tiles (sk_mode)
+def test_consumer_waits_for_late_flags(kernel, dtype, N, sk_mode):
     """Flags are set by another stream after a delay: tiles must not read rows before it."""
     W, M, K = 4, 4096, 1024
     A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
@@ -764,6 +764,11 @@ def sk_buffers(monkeypatch):
         (3, 96, 160, 64, 7, True),  # the policy's split (10 of 24 tiles) over chunks in rotated order
         (2, 64, 64, 32, 7, 100),  # every tile split, shares shorter than a tile
         (1, 32, 32, 32, 9, 1),  # one tile of two K blocks over 9 shares: empty shares
+        (1, 64, 96, 48, 5, ("split", 2, 2)),  # split tail: the last 2 of 12 tiles in 2 K ranges
+        (3, 96, 160, 64, 7, ("split", 3, 2)),  # over chunks in rotated order (and a consumer)
+        (1, 64, 160, 48, 9, ("split", 3, 3)),  # 3 K ranges, one of them shorter (5 K blocks)
+        (1, 48, 96, 64, 8, True),  # the policy's split tail: 12 tiles on 8 SMs -> 4 tiles x 2
+        (1, 32, 32, 32, 9, ("split", 1, 4)),  # more K ranges than K blocks: empty units
     ],
 )
 def test_stream_k_matches_the_reference(kernel, dtype, W, M, K, N, sms, split, sk_buffers):
@@ -817,6 +822,17 @@ def test_stream_k_is_deterministic():
     assert torch.equal(C1, C2)
 
 
+def test_split_tail_policy():
+    """The partial last wave's R tiles in SMs // R K ranges (at most SK_MAX_SPLIT, K blocks)."""
+    assert pm.split_tail(192, 132, 64) == (60, 2)  # 1.45 waves -> 1.5 tile times
+    assert pm.split_tail(160, 132, 128) == (28, 4)
+    assert pm.split_tail(384, 132, 64) == (0, 1)  # 120 of 132: nothing to gain
+    assert pm.split_tail(264, 132, 64) == (0, 1)  # whole waves
+    assert pm.split_tail(133, 132, 64) == (1, pm.SK_MAX_SPLIT)
+    assert pm.split_tail(133, 132, 3) == (1, 3)
+    assert pm._waves(192, 132, 64, "split") == 1.5 and pm._waves(192, 132, 64, "stream") == 2.0
+
+
 def test_stream_k_tiles_policy():
     """Split only where whole tiles leave SMs idle; then the last wave and one before it."""
     assert pm.stream_k_tiles(384, 132, 64) == 0  # 2.9 waves: 97% full
@@ -833,6 +849,17 @@ def test_stream_k_argument_checked():
         pm.persistent_matmul(A, [B], kernel="tma", stream_k=-1)
     with pytest.raises(ValueError, match="stream_k"):
         pm.persistent_matmul(A, [B], kernel="tma", stream_k="yes")
+    with pytest.raises(ValueError, match="stream_k"):
+        pm.persistent_matmul(A, [B], kernel="tma", stream_k=1.5)
+    with pytest.raises(ValueError, match="stream_k"):
+        pm.persistent_matmul(A, [B], kernel="tma", stream_k=("split", 1, 0))
+
+
+@pytest.fixture(params=["split", "stream"])
+def sk_mode(request, monkeypatch):
+    """The default path with each way of splitting the last wave."""
+    monkeypatch.setattr(pm, "STREAM_K", request.param)
+    return request.param
 
 
 GPU_SK_SHAPES = [(torch.bfloat16, 4096, 768, 4096), (torch.bfloat16, 8192, 1280, 8192), (FP8, 4096, 1280, 8192)]
@@ -840,7 +867,7 @@ GPU_SK_SHAPES = [(torch.bfloat16, 4096, 768, 4096), (torch.bfloat16, 8192, 1280,
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: production tile sizes")
 @pytest.mark.parametrize("dtype,M,N,K", GPU_SK_SHAPES, ids=str)
-def test_stream_k_at_production_size(dtype, M, N, K, sk_buffers):
+def test_stream_k_at_production_size(dtype, M, N, K, sk_buffers, sk_mode):
     """Small-N Llama shapes take the stream-K split by default and match the reference."""
     A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
     out_dtype = torch.bfloat16
@@ -853,7 +880,7 @@ def test_stream_k_at_production_size(dtype, M, N, K, sk_buffers):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-def test_stream_k_while_another_kernel_holds_the_sms():
+def test_stream_k_while_another_kernel_holds_the_sms(sk_mode):
     """Programs start late, a few at a time, behind a matmul on another stream: the split tiles
     still complete (a program waits only for programs that started before it), every time."""
     A, (B,) = _inputs(4096, 4096, (768,), torch.bfloat16, SEED)
@@ -872,7 +899,7 @@ def test_stream_k_while_another_kernel_holds_the_sms():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: CUDA graphs")
-def test_stream_k_in_a_cuda_graph_and_eager_between_replays():
+def test_stream_k_in_a_cuda_graph_and_eager_between_replays(sk_mode):
     """A captured stream-K launch replays right (its sync words are the graph's own, zeroed by the
     graph) with eager stream-K launches in between."""
     M, N, K = 4096, 768, 4096
