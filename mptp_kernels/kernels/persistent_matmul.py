@@ -288,7 +288,7 @@ def _sk_wait(ptr, timeout_ns):
 @triton.jit
 def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
-    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, SK_WS, SK_SYNC,
+    order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, sk_wait_ns, SK_WS, SK_SYNC,
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
@@ -413,8 +413,9 @@ def _persistent_matmul_tma_kernel(
                         else:
                             if _sk_start(j + 1, base, sk_iters, NUM_SMS) > s:  # an empty share published nothing
                                 # NOTE: the holder took its ticket before this program: it runs; a
-                                # timeout here means a consumer wait of it timed out first (err set).
-                                got = _sk_wait(SK_SYNC + 2 + j, 2 * timeout_ns + 1_000_000_000)
+                                # timeout here (sk_wait_ns: twice a consumer wait's, plus 1 s) means
+                                # a consumer wait of it timed out first (err set).
+                                got = _sk_wait(SK_SYNC + 2 + j, sk_wait_ns)
                                 tl.debug_barrier()
                                 good = good & got
                                 w_ptrs = SK_WS + j.to(tl.int64) * tile_elems + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
@@ -431,9 +432,8 @@ def _persistent_matmul_tma_kernel(
         if ticket < sk_tiles * splits:
             split = splits - 1 - ticket // sk_tiles
             g = dp_tiles + (ticket - (ticket // sk_tiles) * sk_tiles)
-            k_per = tl.cdiv(k_tiles, splits)
-            k_lo = split * k_per
-            k_hi = min(k_tiles, k_lo + k_per)
+            k_lo = (split * k_tiles) // splits
+            k_hi = ((split + 1) * k_tiles) // splits
             idx = g // tiles_per_chunk
             t = g - idx * tiles_per_chunk
             chunk = tl.load(order_ptr + idx)
@@ -455,7 +455,7 @@ def _persistent_matmul_tma_kernel(
                 good = ticket >= 0  # true
                 for sp in range(1, splits):  # fixed order: split 1, 2, ...
                     j = ticket - sp * sk_tiles
-                    got = _sk_wait(SK_SYNC + 2 + j, 2 * timeout_ns + 1_000_000_000)
+                    got = _sk_wait(SK_SYNC + 2 + j, sk_wait_ns)
                     tl.debug_barrier()
                     good = good & got
                     w_ptrs = SK_WS + j.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
@@ -705,10 +705,10 @@ def persistent_matmul(
             warp, queue over PCIe, ~1 ms per launch measured on an H100).
         stream_k: TMA kernels only. None: as STREAM_K says, with the default config or
             SK_CONFIG's, where whole tiles would leave SMs idle in the last wave; False: never;
-            "split" / "stream": as None with that mode;
+            "split" / "stream": as None with that mode (and this call's config where one is given);
             True: with this call's config, STREAM_K's mode (default "split"); an int n > 0:
-            stream-K over the last n tiles; ("split", R, s): the last R tiles in s K ranges
-            (tests).
+            stream-K over the last n tiles (0: none); ("split", R, s): the last R tiles in s K
+            ranges, R * s at most the programs (tests). The pointer kernel ignores it.
     """
     global USE_TMA
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -754,9 +754,10 @@ def persistent_matmul(
     precision = "ieee" if A.dtype == torch.float32 else "tf32"
     if stream_k is not None and not (
         (type(stream_k) in (bool, int) and stream_k >= 0)
-        or stream_k in ("split", "stream")
-        or (type(stream_k) is tuple and len(stream_k) == 3 and stream_k[0] == "split" and stream_k[1] >= 0 and stream_k[2] >= 1)
-    ):
+        or (type(stream_k) is str and stream_k in ("split", "stream"))
+        or (type(stream_k) is tuple and len(stream_k) == 3 and stream_k[0] == "split"
+            and type(stream_k[1]) is int and type(stream_k[2]) is int and stream_k[1] >= 0 and stream_k[2] >= 1)
+    ):  # fmt: skip
         raise ValueError(f"persistent_matmul: stream_k must be None, a bool, 'split', 'stream', an int >= 0 or "
                          f"('split', R, s), got {stream_k!r}")  # fmt: skip
     if kernel not in KERNELS:
@@ -873,6 +874,8 @@ def _waves(tiles: int, sms: int, k_tiles: int, mode: str) -> float:
         r, s = split_tail(tiles, sms, k_tiles)
         if r:
             return tiles // sms + 1.0 / s
+    elif mode == "stream" and stream_k_tiles(tiles, sms, k_tiles):
+        return tiles / sms
     return float(-(-tiles // sms))
 
 
@@ -883,29 +886,38 @@ def _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k):
 
     if stream_k is None or type(stream_k) is str:
         mode = STREAM_K if stream_k is None else stream_k
-        if mode is None or sk_config is None:
+        if mode is None or (stream_k is None and sk_config is None):
             return cfg, 0, 0, 1
+        # NOTE: the default config and the large-tile one, whichever is estimated faster.
         best = None
-        for c, eff in ((cfg, 1.0 if c == sk_config else SK_TILE_EFF) for c in (cfg, sk_config)):
-            t = tiles_of(c)
-            est = _waves(t, sms, _cdiv(K, c.BLOCK_K), mode) * c.BLOCK_M * c.BLOCK_N / eff
+        for c in (cfg, sk_config) if sk_config is not None and sk_config != cfg else (cfg,):
+            eff = 1.0 if c == sk_config else SK_TILE_EFF
+            est = _waves(tiles_of(c), sms, _cdiv(K, c.BLOCK_K), mode) * c.BLOCK_M * c.BLOCK_N / eff
             if best is None or est < best[0]:
                 best = (est, c)
         cfg = best[1]
-    elif stream_k is False:
+    elif stream_k is False or stream_k == 0:
         return cfg, 0, 0, 1
-    elif isinstance(stream_k, tuple):  # ("split", R, s): tests
+    elif type(stream_k) is tuple:  # ("split", R, s): tests
         _, r, s = stream_k
-        return cfg, 2, min(r, tiles_of(cfg)), s
+        r = min(r, tiles_of(cfg))
+        if r * s > sms:
+            raise ValueError(f"persistent_matmul: stream_k={stream_k!r}: R * s = {r * s} units for {sms} programs")
+        return cfg, (2 if r else 0), r, s
     elif stream_k is True:
         mode = STREAM_K or "split"
     else:  # an int: stream-K over the last stream_k tiles (tests)
-        return cfg, 1, min(int(stream_k), tiles_of(cfg)), 1
+        n = min(stream_k, tiles_of(cfg))
+        if (n * _cdiv(K, cfg.BLOCK_K) + 1) * sms >= 2**31:  # the kernel's share arithmetic is int32
+            raise ValueError(f"persistent_matmul: stream_k={stream_k}: too many K iterations to split")
+        return cfg, 1, n, 1
     t, kt = tiles_of(cfg), _cdiv(K, cfg.BLOCK_K)
     if mode == "split":
         r, s = split_tail(t, sms, kt)
         return cfg, (2 if r else 0), r, s
     n = stream_k_tiles(t, sms, kt)
+    if (n * kt + 1) * sms >= 2**31:
+        n = 0
     return cfg, (1 if n else 0), n, 1
 
 
@@ -920,9 +932,13 @@ def _sk_buffers(dev, sms, cfg):
         return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    # NOTE: the stream launch() launches on (the current device's); the cache is bounded (a freed
+    # pair goes back to the caching allocator on its own stream: stream-ordered, safe).
+    key = (dev, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()))
     bufs = _SK_BUFS.get(key)
     if bufs is None or bufs[0].numel() < n or bufs[1].numel() < 2 + sms:
+        if bufs is None and len(_SK_BUFS) >= 16:
+            _SK_BUFS.clear()
         bufs = _SK_BUFS[key] = (torch.empty(n, device=dev, dtype=torch.float32),
                                 torch.zeros(2 + sms, device=dev, dtype=torch.int32))  # fmt: skip
     return bufs
@@ -956,7 +972,8 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
         _flat(biases[0]) if biases is not None else _dummy(dev),
         result_scale,
-        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, splits, pieces, sync,
+        M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, splits,
+        int(2 * timeout_s * 1e9) + 1_000_000_000, pieces, sync,
     ]  # fmt: skip
     constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,

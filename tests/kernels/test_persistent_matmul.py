@@ -830,7 +830,28 @@ def test_split_tail_policy():
     assert pm.split_tail(264, 132, 64) == (0, 1)  # whole waves
     assert pm.split_tail(133, 132, 64) == (1, pm.SK_MAX_SPLIT)
     assert pm.split_tail(133, 132, 3) == (1, 3)
-    assert pm._waves(192, 132, 64, "split") == 1.5 and pm._waves(192, 132, 64, "stream") == 2.0
+    assert pm._waves(192, 132, 64, "split") == 1.5 and pm._waves(192, 132, 64, "stream") == 192 / 132
+    assert pm._waves(384, 132, 64, "split") == 3.0 and pm._waves(384, 132, 64, "stream") == 3.0
+
+
+@pytest.mark.parametrize("mode", ["split", "stream"])
+def test_split_plan_picks_the_faster_tiles(mode, monkeypatch):
+    """The default path weighs its default tiles against SK_CONFIG's (Llama shapes, 132 SMs)."""
+    monkeypatch.setattr(pm, "STREAM_K", mode)
+    small, big = pm.Config(128, 128, 64, 8, 4, 4), pm.SK_CONFIG["16bit"]
+    # 8192 x 1280: 640 small tiles fill 5 waves (no split); 320 large ones split -> the large ones.
+    cfg, sk_mode, n, s = pm._sk_plan(8192, 1280, 8192, 1, 132, small, big, None)
+    assert cfg == big and sk_mode == (2 if mode == "split" else 1) and n > 0
+    # 8192 x 3584 with the large tiles already: 896 tiles, the last wave 104 of 132: no split.
+    assert pm._sk_plan(8192, 3584, 4096, 1, 132, big, big, None) == (big, 0, 0, 1)
+    if mode == "split":  # 16384 x 7168: 27 waves and 20 tiles, those in 6 K ranges
+        assert pm._sk_plan(16384, 7168, 8192, 1, 132, big, big, None) == (big, 2, 20, 6)
+    # STREAM_K None, or an explicit config (sk_config None): whole tiles, as before.
+    monkeypatch.setattr(pm, "STREAM_K", None)
+    assert pm._sk_plan(8192, 1280, 8192, 1, 132, small, big, None) == (small, 0, 0, 1)
+    assert pm._sk_plan(8192, 768, 4096, 1, 132, small, None, None)[1] == 0
+    # A string asks for that mode with the given config.
+    assert pm._sk_plan(8192, 768, 4096, 1, 132, big, None, "split") == (big, 2, 60, 2)
 
 
 def test_stream_k_tiles_policy():
@@ -851,8 +872,13 @@ def test_stream_k_argument_checked():
         pm.persistent_matmul(A, [B], kernel="tma", stream_k="yes")
     with pytest.raises(ValueError, match="stream_k"):
         pm.persistent_matmul(A, [B], kernel="tma", stream_k=1.5)
-    with pytest.raises(ValueError, match="stream_k"):
-        pm.persistent_matmul(A, [B], kernel="tma", stream_k=("split", 1, 0))
+    for bad in [("split", 1, 0), ("split", 1.5, 2), ("split", True, 2), ("split", "a", 2), ("stream", 1, 2)]:
+        with pytest.raises(ValueError, match="stream_k"):
+            pm.persistent_matmul(A, [B], kernel="tma", stream_k=bad)
+    # more units than programs would leave tiles unwritten: refused
+    A, (B,) = _inputs(64, 32, (16,), torch.float16, SEED)  # 4 tiles of 16 x 16
+    with pytest.raises(ValueError, match="units for 4 programs"):
+        pm.persistent_matmul(A, [B], kernel="tma", config=pm.Config(16, 16, 16, 2, 4, 2), num_sms=4, stream_k=("split", 3, 2))
 
 
 @pytest.fixture(params=["split", "stream"])
