@@ -845,6 +845,9 @@ STREAM_K = None  # off until measured on a GPU (issue 14)
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
 SK_TILE_EFF = 0.87
 SK_MAX_SPLIT = 8
+# "auto" splits only calls of at least this many FLOPs (~15 us of H200 tensor-core time): below it
+# the split's few microseconds of fixed cost (tickets, pieces, the wait) are not worth a wave.
+SK_MIN_FLOPS = 1e10
 _SK_BUFS = {}
 
 
@@ -886,7 +889,7 @@ def _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k):
 
     if stream_k is None or type(stream_k) is str:
         mode = STREAM_K if stream_k is None else stream_k
-        if mode is None or (stream_k is None and sk_config is None):
+        if mode is None or (stream_k is None and (sk_config is None or 2.0 * M * N * K < SK_MIN_FLOPS)):
             return cfg, 0, 0, 1
         # NOTE: the default config and the large-tile one, whichever is estimated faster.
         best = None

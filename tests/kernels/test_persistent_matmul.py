@@ -850,6 +850,9 @@ def test_split_plan_picks_the_faster_tiles(mode, monkeypatch):
     monkeypatch.setattr(pm, "STREAM_K", None)
     assert pm._sk_plan(8192, 1280, 8192, 1, 132, small, big, None) == (small, 0, 0, 1)
     assert pm._sk_plan(8192, 768, 4096, 1, 132, small, None, None)[1] == 0
+    # Small calls keep whole tiles (the split's fixed cost is not worth it below SK_MIN_FLOPS).
+    monkeypatch.setattr(pm, "STREAM_K", mode)
+    assert pm._sk_plan(1024, 768, 1024, 1, 132, small, big, None)[1] == 0
     # A string asks for that mode with the given config.
     assert pm._sk_plan(8192, 768, 4096, 1, 132, big, None, "split") == (big, 2, 60, 2)
 
