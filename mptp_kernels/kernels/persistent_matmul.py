@@ -837,11 +837,15 @@ TensorDescriptor = None
 # equal K ranges (s = SMS // R), so the last wave takes 1 / s of a tile's time, with every split
 # tile's units at the same K offsets (the A rows and B columns they share are read from L2 at
 # about the same time, as whole tiles are). "stream" (SK_MODE 1): stream-K, every program an
-# equal share of the last waves' K iterations; measured slower (bench/NOTES.md).
+# equal share of the last waves' K iterations.
 # STREAM_K: what "auto" does (None: never). The candidates are the call's default config and
 # SK_CONFIG (large tiles, faster per SM: SK_TILE_EFF is the default small tiles' speed
 # relative to them), whichever is estimated faster.
-STREAM_K = None  # off until measured on a GPU (issue 14)
+# NOTE: off by default. Measured on an H100 against whole tiles in the same run (graph timing,
+# bench/results/h100_persistent_matmul_split_3e4d5fb.*): "split" gains 2-6% at N = 1280
+# (K = 8192) and loses 2-15% at N = 768 (K = 4096), where the estimate above expected gains;
+# "stream" is slower everywhere (up to 1.45x). Neither reaches 0.95x of cuBLAS on small N.
+STREAM_K = None
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
 SK_TILE_EFF = 0.87
 SK_MAX_SPLIT = 8
