@@ -286,6 +286,51 @@ def _sk_wait(ptr, timeout_ns):
 
 
 @triton.jit
+def _sk_piece(a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
+              chunk_m, pid_m_per_chunk, num_pid_n, MODE: tl.constexpr, FAST_ACCUM: tl.constexpr,
+              B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_M: tl.constexpr):  # fmt: skip
+    """K blocks k_lo .. k_hi - 1 of global tile g (chunk order; a consumer waits for its chunk):
+    (fp32 sum, the tile's first row and column, the end of its chunk's rows)."""
+    idx = g // tiles_per_chunk
+    t = g - idx * tiles_per_chunk
+    chunk = tl.load(order_ptr + idx)
+    if MODE == 1:
+        wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
+    row_start = chunk * chunk_m
+    pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
+    off_m = row_start + pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc, off_m, off_n, row_start + chunk_m
+
+
+@triton.jit
+def _sk_slot(SK_WS, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pointers to piece slot `slot` (fp32, BLOCK_M x BLOCK_N, int64 offsets)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return SK_WS + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
+
+
+@triton.jit
+def _sk_publish(acc, SK_WS, SK_SYNC, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores a piece into its slot, then its flag (release, after every thread's stores)."""
+    tl.store(_sk_slot(SK_WS, slot, BLOCK_M, BLOCK_N), acc)
+    tl.debug_barrier()
+    tl.atomic_xchg(SK_SYNC + 2 + slot, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _sk_add(acc, good, SK_WS, SK_SYNC, slot, wait_ns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc + the piece in `slot` once its flag is set; good & whether it was set in time.
+    NOTE: the piece's holder took its ticket before this program, so it runs; a timeout here
+    (wait_ns: twice a consumer wait's, plus 1 s) means a consumer wait of it timed out first."""
+    got = _sk_wait(SK_SYNC + 2 + slot, wait_ns)
+    tl.debug_barrier()
+    return acc + tl.load(_sk_slot(SK_WS, slot, BLOCK_M, BLOCK_N)), good & got
+
+
+@triton.jit
 def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
     order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, sk_wait_ns, SK_WS, SK_SYNC,
@@ -356,18 +401,7 @@ def _persistent_matmul_tma_kernel(
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
             off_m = row_start + pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k_tiles):
-                off_k = kk * BLOCK_K
-                a = a_desc.load([off_m, off_k])
-                if B_KMAJOR:
-                    b = b_desc.load([off_n, off_k]).T
-                else:
-                    b = b_desc.load([off_k, off_n])
-                if FAST_ACCUM:
-                    acc = tl.dot(a, b, acc)
-                else:
-                    acc += tl.dot(a, b)
+            acc = _tma_acc(a_desc, b_desc, off_m, off_n, 0, k_tiles, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
             _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
                           A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
                           BLOCK_M, BLOCK_N)  # fmt: skip
@@ -377,29 +411,15 @@ def _persistent_matmul_tma_kernel(
         sk_iters = sk_tiles * k_tiles
         it = _sk_start(share, base, sk_iters, NUM_SMS)
         it_end = _sk_start(share + 1, base, sk_iters, NUM_SMS)
-        offs_wm = tl.arange(0, BLOCK_M)
-        offs_wn = tl.arange(0, BLOCK_N)
-        tile_elems = BLOCK_M * BLOCK_N
         while it < it_end:
             g = it // k_tiles
             k_lo = it - g * k_tiles
             k_hi = min(k_tiles, k_lo + (it_end - it))
-            idx = g // tiles_per_chunk
-            t = g - idx * tiles_per_chunk
-            chunk = tl.load(order_ptr + idx)
-            if MODE == 1:
-                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
-            row_start = chunk * chunk_m
-            pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
-            off_m = row_start + pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-            if k_lo != 0:
-                # Not the tile's head: publish the piece for the program that holds the head.
-                w_ptrs = SK_WS + share.to(tl.int64) * tile_elems + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
-                tl.store(w_ptrs, acc)
-                tl.debug_barrier()  # every thread's stores before the release below
-                tl.atomic_xchg(SK_SYNC + 2 + share, 1, sem="release", scope="gpu")
+            acc, off_m, off_n, row_end = _sk_piece(
+                a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
+                chunk_m, pid_m_per_chunk, num_pid_n, MODE, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+            if k_lo != 0:  # not the tile's head: publish the piece for the program that holds the head
+                _sk_publish(acc, SK_WS, SK_SYNC, share, BLOCK_M, BLOCK_N)
             else:
                 good = share >= 0  # true
                 if k_hi < k_tiles:
@@ -412,17 +432,10 @@ def _persistent_matmul_tma_kernel(
                             j = NUM_SMS
                         else:
                             if _sk_start(j + 1, base, sk_iters, NUM_SMS) > s:  # an empty share published nothing
-                                # NOTE: the holder took its ticket before this program: it runs; a
-                                # timeout here (sk_wait_ns: twice a consumer wait's, plus 1 s) means
-                                # a consumer wait of it timed out first (err set).
-                                got = _sk_wait(SK_SYNC + 2 + j, sk_wait_ns)
-                                tl.debug_barrier()
-                                good = good & got
-                                w_ptrs = SK_WS + j.to(tl.int64) * tile_elems + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
-                                acc += tl.load(w_ptrs)
+                                acc, good = _sk_add(acc, good, SK_WS, SK_SYNC, j, sk_wait_ns, BLOCK_M, BLOCK_N)
                             j += 1
                     acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
-                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
                               A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
                               BLOCK_M, BLOCK_N)  # fmt: skip
             it = (g + 1) * k_tiles
@@ -434,34 +447,17 @@ def _persistent_matmul_tma_kernel(
             g = dp_tiles + (ticket - (ticket // sk_tiles) * sk_tiles)
             k_lo = (split * k_tiles) // splits
             k_hi = ((split + 1) * k_tiles) // splits
-            idx = g // tiles_per_chunk
-            t = g - idx * tiles_per_chunk
-            chunk = tl.load(order_ptr + idx)
-            if MODE == 1:
-                wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
-            row_start = chunk * chunk_m
-            pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
-            off_m = row_start + pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-            offs_wm = tl.arange(0, BLOCK_M)
-            offs_wn = tl.arange(0, BLOCK_N)
+            acc, off_m, off_n, row_end = _sk_piece(
+                a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
+                chunk_m, pid_m_per_chunk, num_pid_n, MODE, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
             if split != 0:
-                w_ptrs = SK_WS + ticket.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
-                tl.store(w_ptrs, acc)
-                tl.debug_barrier()  # every thread's stores before the release below
-                tl.atomic_xchg(SK_SYNC + 2 + ticket, 1, sem="release", scope="gpu")
+                _sk_publish(acc, SK_WS, SK_SYNC, ticket, BLOCK_M, BLOCK_N)
             else:
                 good = ticket >= 0  # true
                 for sp in range(1, splits):  # fixed order: split 1, 2, ...
-                    j = ticket - sp * sk_tiles
-                    got = _sk_wait(SK_SYNC + 2 + j, sk_wait_ns)
-                    tl.debug_barrier()
-                    good = good & got
-                    w_ptrs = SK_WS + j.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_wm[:, None] * BLOCK_N + offs_wn[None, :]
-                    acc += tl.load(w_ptrs)
+                    acc, good = _sk_add(acc, good, SK_WS, SK_SYNC, ticket - sp * sk_tiles, sk_wait_ns, BLOCK_M, BLOCK_N)
                 acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
-                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
                               A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
                               BLOCK_M, BLOCK_N)  # fmt: skip
     if SK_MODE != 0:

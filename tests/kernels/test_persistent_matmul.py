@@ -244,7 +244,9 @@ def test_tma_kernels_plain_and_consumer(kernel, dtype, W, M, K, N):
 
 @pytest.mark.parametrize("kernel", TMA_KERNELS)
 @pytest.mark.parametrize("a_mode,with_bias", [("tensor", True), ("row", False), ("row", True)])
-def test_tma_kernels_fp8_scales_bias(kernel, a_mode, with_bias):
+@pytest.mark.parametrize("split", [None, 7, ("split", 2, 2)], ids=["whole", "stream", "split"])
+def test_tma_kernels_fp8_scales_bias(kernel, a_mode, with_bias, split, sk_buffers):
+    """Scales and bias applied once per tile (with a split last wave: after the pieces are summed)."""
     M, K, N = 96, 64, 48
     A, (B,) = _inputs(M, K, (N,), FP8, SEED, col_major_b=True)
     if a_mode == "tensor":
@@ -253,8 +255,10 @@ def test_tma_kernels_fp8_scales_bias(kernel, a_mode, with_bias):
         A_scale = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
         B_scale = (randn((1, N), SEED + 8).abs() + 0.5).to(DEV)
     bias = randn((N,), SEED + 20).to(DEV, torch.float16) if with_bias else None
+    kw = {} if split is None else dict(config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5, stream_k=split)
     (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), A_scale=A_scale,
-                                B_scales=[B_scale], biases=[bias] if with_bias else None, kernel=kernel)  # fmt: skip
+                                B_scales=[B_scale], biases=[bias] if with_bias else None, kernel=kernel, **kw)  # fmt: skip
+    assert bool(sk_buffers) == (split is not None)
     ref = (A.double().cpu() * A_scale.double().cpu()) @ (B.double().cpu() * B_scale.double().cpu())
     if with_bias:
         ref = ref + bias.double().cpu()
@@ -790,27 +794,6 @@ def test_stream_k_matches_the_reference(kernel, dtype, W, M, K, N, sms, split, s
     for pieces, sync in sk_buffers:
         assert not torch.isnan(pieces).all(), "no piece was published"
         assert (sync == 0).all(), f"sync words not reset: {sync.tolist()}"
-
-
-@pytest.mark.parametrize("a_mode,with_bias", [("tensor", True), ("row", False), ("row", True)])
-def test_stream_k_fp8_scales_bias(a_mode, with_bias, sk_buffers):
-    """Scales and bias are applied once, after the pieces are summed."""
-    M, K, N = 64, 128, 48
-    A, (B,) = _inputs(M, K, (N,), FP8, SEED, col_major_b=True)
-    if a_mode == "tensor":
-        A_scale, B_scale = torch.tensor(0.7, device=DEV), torch.tensor(1.3, device=DEV)
-    else:
-        A_scale = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
-        B_scale = (randn((1, N), SEED + 8).abs() + 0.5).to(DEV)
-    bias = randn((N,), SEED + 20).to(DEV, torch.float16) if with_bias else None
-    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), A_scale=A_scale, B_scales=[B_scale],
-                                biases=[bias] if with_bias else None, kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2),
-                                num_sms=5, stream_k=7)  # fmt: skip
-    assert sk_buffers, "stream-K did not run"
-    ref = (A.double().cpu() * A_scale.double().cpu()) @ (B.double().cpu() * B_scale.double().cpu())
-    if with_bias:
-        ref = ref + bias.double().cpu()
-    assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
 
 
 def test_stream_k_is_deterministic():
