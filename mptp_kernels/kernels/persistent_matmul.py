@@ -337,7 +337,7 @@ def _persistent_matmul_tma_kernel(
     NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, SK_MODE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, SK_MODE: tl.constexpr, SUB_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
@@ -453,13 +453,24 @@ def _persistent_matmul_tma_kernel(
             if split != 0:
                 _sk_publish(acc, SK_WS, SK_SYNC, ticket, BLOCK_M, BLOCK_N)
             else:
+                # The owner's own piece goes to its slot too, and the tile is summed and stored
+                # SUB_M rows at a time from memory (L2): a whole piece loaded beside the fp32
+                # accumulator took every register (255, with spills; ptxas on sm_90).
+                tl.store(_sk_slot(SK_WS, ticket, BLOCK_M, BLOCK_N), acc)
                 good = ticket >= 0  # true
-                for sp in range(1, splits):  # fixed order: split 1, 2, ...
-                    acc, good = _sk_add(acc, good, SK_WS, SK_SYNC, ticket - sp * sk_tiles, sk_wait_ns, BLOCK_M, BLOCK_N)
-                acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
-                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
-                              A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
-                              BLOCK_M, BLOCK_N)  # fmt: skip
+                for sp in range(1, splits):
+                    good = good & _sk_wait(SK_SYNC + 2 + ticket - sp * sk_tiles, sk_wait_ns)
+                tl.debug_barrier()  # this program's stores and the acquires above, before the loads
+                offs = tl.arange(0, SUB_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                for r in tl.static_range(0, BLOCK_M, SUB_M):
+                    base = SK_WS + r * BLOCK_N + offs
+                    tot = tl.load(base + ticket.to(tl.int64) * (BLOCK_M * BLOCK_N))
+                    for sp in range(1, splits):  # fixed order: the owner's, then split 1, 2, ...
+                        tot += tl.load(base + (ticket - sp * sk_tiles).to(tl.int64) * (BLOCK_M * BLOCK_N))
+                    tot = tl.where(good, tot, float("nan"))  # a lost piece: NaN, never a partial sum
+                    _tma_epilogue(tot, C, A_SCALE, BS, BIAS, out_factor, N, off_m + r, off_n, row_end, ok,
+                                  A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
+                                  SUB_M, BLOCK_N)  # fmt: skip
     if SK_MODE != 0:
         # The last program out resets the tickets and the flags (stream order: before the next launch).
         done = tl.atomic_add(SK_SYNC + 1, 1, sem="acq_rel", scope="gpu")
@@ -981,7 +992,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     constexprs = dict(
         NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
         B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
-        SK_MODE=sk_mode, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SK_MODE=sk_mode, SUB_M=min(cfg.BLOCK_M, 32), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_SMS=grid[0],
     )  # fmt: skip
     launch(_persistent_matmul_tma_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -931,3 +931,22 @@ def test_stream_k_in_a_cuda_graph_and_eager_between_replays(sk_mode):
         ref = Ai.double() @ B.double()
         assert_matmul_close(C, ref, (Ai.float() @ B.float()).bfloat16(), k=2.0, atol=1e-5)
         assert_matmul_close(E, 2 * ref, (2 * Ai.float() @ B.float()).bfloat16(), k=2.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
+def test_split_tail_owner_sums_in_row_slabs(dtype, sk_buffers):
+    """The owner sums and stores a 64-row tile in 32-row slabs (row-wise scales follow the slab)."""
+    M, K, N = 160, 96, 48  # 3 x 3 tiles of 64 x 16, the last rows partial
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    kw = {}
+    ref = A.double().cpu() @ B.double().cpu()
+    if dtype == FP8:
+        A_scale = (randn((M, 1), SEED + 7).abs() + 0.5).to(DEV)
+        B_scale = (randn((1, N), SEED + 8).abs() + 0.5).to(DEV)
+        bias = randn((N,), SEED + 20).to(DEV, torch.float16)
+        kw = dict(A_scale=A_scale, B_scales=[B_scale], biases=[bias])
+        ref = ref * A_scale.double().cpu() * B_scale.double().cpu() + bias.double().cpu()
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), kernel="tma",
+                                config=pm.Config(64, 16, 32, 2, 4, 2), num_sms=6, stream_k=("split", 2, 3), **kw)  # fmt: skip
+    assert sk_buffers and (sk_buffers[0][1] == 0).all()
+    assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
