@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..symm.triton_sync import _elapsed_ns, globaltimer, signal_release, wait_acquire
+from ..symm.triton_sync import signal_release, wait_acquire, wait_nonzero
 from . import epilogue
 from .epilogue import load_result_scale, to_output
 from .launch import launch
@@ -269,23 +269,6 @@ def _sk_start(j, base, sk_iters, NUM_SMS: tl.constexpr):
 
 
 @triton.jit
-def _sk_wait(ptr, timeout_ns):
-    """Spins (acquire, GPU scope) until *ptr != 0; False if timeout_ns passed first."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    if seen == 0:
-        start = globaltimer()
-        while seen == 0:
-            n = 0
-            while (seen == 0) & (n < 1024):
-                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-                n += 1
-            if seen == 0:
-                if _elapsed_ns(start) > timeout_ns:
-                    seen = -1
-    return seen > 0
-
-
-@triton.jit
 def _sk_piece(a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
               chunk_m, pid_m_per_chunk, num_pid_n, MODE: tl.constexpr, FAST_ACCUM: tl.constexpr,
               B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -325,7 +308,7 @@ def _sk_add(acc, good, SK_WS, SK_SYNC, slot, wait_ns, BLOCK_M: tl.constexpr, BLO
     """acc + the piece in `slot` once its flag is set; good & whether it was set in time.
     NOTE: the piece's holder took its ticket before this program, so it runs; a timeout here
     (wait_ns: twice a consumer wait's, plus 1 s) means a consumer wait of it timed out first."""
-    got = _sk_wait(SK_SYNC + 2 + slot, wait_ns)
+    got = wait_nonzero(SK_SYNC + 2 + slot, wait_ns)
     tl.debug_barrier()
     return acc + tl.load(_sk_slot(SK_WS, slot, BLOCK_M, BLOCK_N)), good & got
 
@@ -459,7 +442,7 @@ def _persistent_matmul_tma_kernel(
                 tl.store(_sk_slot(SK_WS, ticket, BLOCK_M, BLOCK_N), acc)
                 good = ticket >= 0  # true
                 for sp in range(1, splits):
-                    good = good & _sk_wait(SK_SYNC + 2 + ticket - sp * sk_tiles, sk_wait_ns)
+                    good = good & wait_nonzero(SK_SYNC + 2 + ticket - sp * sk_tiles, sk_wait_ns)
                 tl.debug_barrier()  # this program's stores and the acquires above, before the loads
                 offs = tl.arange(0, SUB_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 for r in tl.static_range(0, BLOCK_M, SUB_M):
@@ -942,9 +925,7 @@ def _sk_buffers(dev, sms, cfg):
     launch captured into a CUDA graph gets its own, zeroed by the graph itself, so a replay
     shares nothing with eager launches or other graphs."""
     n = sms * cfg.BLOCK_M * cfg.BLOCK_N
-    if dev.type != "cuda":  # the interpreter (tests)
-        return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
-    if torch.cuda.is_current_stream_capturing():
+    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():  # the interpreter, or a capture
         return torch.empty(n, device=dev, dtype=torch.float32), torch.zeros(2 + sms, device=dev, dtype=torch.int32)
     # NOTE: the stream launch() launches on (the current device's); the cache is bounded (a freed
     # pair goes back to the caching allocator on its own stream: stream-ordered, safe).

@@ -89,3 +89,25 @@ def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr
                         # Release: the fields above are visible before the tag.
                         tl.atomic_xchg(err_ptr + 5, tag, sem="release", scope="sys")
                     seen = value
+
+
+@triton.jit
+def wait_nonzero(ptr, timeout_ns):
+    """Spins (acquire, GPU scope) until *ptr != 0; returns False if timeout_ns passed first.
+
+    For a flag another program of the same kernel sets, one known to be running (the matmul's
+    split tiles: kernels/persistent_matmul.py). Unlike wait_acquire it neither reads nor fills
+    the process's error record: the caller decides what a timeout means (NaN there).
+    """
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    if seen == 0:
+        start = globaltimer()
+        while seen == 0:
+            n = 0
+            while (seen == 0) & (n < 1024):
+                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+                n += 1
+            if seen == 0:
+                if _elapsed_ns(start) > timeout_ns:
+                    seen = -1
+    return seen > 0
