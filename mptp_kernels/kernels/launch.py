@@ -154,6 +154,17 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
     args are fn's leading (non-constexpr) parameters in order; constexprs its remaining ones.
     Like the plain launch, it runs on the current device's current stream.
     """
+    launch_static(fn, grid, args, constexprs, options, None)
+
+
+_STATIC: Dict[tuple, tuple] = {}  # (id(fn), static key) -> (constexpr values, the key's static part)
+
+
+def launch_static(fn, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, static=None) -> None:
+    """launch(fn, grid, args, constexprs, **options); static: None, or a hashable value that
+    the caller guarantees determines constexprs, options and len(args) for this fn (a launch
+    plan's key): their values and the key's part made of them are then looked up, not rebuilt.
+    """
     global FAST
     if args.__class__ is not list and args.__class__ is not tuple:
         args = tuple(args)
@@ -170,11 +181,19 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
         return
     device_index = torch.cuda.current_device()
     try:
-        cvals = [constexprs[n] for n in names]  # in parameter order: part of the key, and of the call
-        if len(cvals) != len(constexprs):
-            raise TypeError("constexprs do not match the kernel's trailing parameters")
+        fixed = _STATIC.get((id(fn), static)) if static is not None else None
+        if fixed is None:
+            cvals = tuple(constexprs[n] for n in names)  # in parameter order: part of the key, and of the call
+            if len(cvals) != len(constexprs):
+                raise TypeError("constexprs do not match the kernel's trailing parameters")
+            fixed = (cvals, (tuple(options.items()), len(args), cvals))
+            if static is not None:
+                if len(_STATIC) >= 4096:
+                    _STATIC.clear()
+                _STATIC[(id(fn), static)] = fixed
+        cvals = fixed[0]
         codes, extras, call = _prepare_any(args)
-        key = (id(fn), device_index, tuple(options.items()), len(args), tuple(cvals), codes, extras)
+        key = (id(fn), device_index, fixed[1], codes, extras)
         kernel = _KERNELS.get(key)
     except (TypeError, KeyError):  # unhashable or unexpected arguments: nothing to cache
         kernel, key = None, None

@@ -36,7 +36,7 @@ import triton.language as tl
 from ..symm.triton_sync import signal_release, wait_acquire, wait_nonzero
 from . import epilogue
 from .epilogue import load_result_scale, to_output
-from .launch import launch
+from .launch import launch, launch_static
 from .poison import poison_if_error
 
 MAX_B = 3
@@ -587,6 +587,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 _DUMMY = {}
+_FP8_OUT = {}
 _ORDERS = {}
 _ERR = {}
 
@@ -732,7 +733,10 @@ def persistent_matmul(
     if result_scale is not None:
         assert result_scale.numel() == 1 and result_scale.dtype == torch.float32, "result_scale: one float32"
         result_scale = result_scale.reshape(1)
-    fp8_out = epilogue.fp8_out_constexprs(dev, out_dtype, result_scale is not None)
+    fp8_key = (dev.type, out_dtype, result_scale is not None)
+    fp8_out = _FP8_OUT.get(fp8_key)
+    if fp8_out is None:  # NOTE: shared by launches: read only
+        fp8_out = _FP8_OUT[fp8_key] = epilogue.fp8_out_constexprs(dev, out_dtype, result_scale is not None)
     a_mode = 0 if A_scale is None else (1 if A_scale.numel() == 1 else 2)
     b_mode = 0
     if B_scales is not None:
@@ -939,6 +943,33 @@ def _sk_buffers(dev, sms, cfg):
     return bufs
 
 
+_DESCS = {}
+
+
+def _descriptor(t, b0, b1, transposed):
+    """TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]), from a template per
+    shape, strides, dtype and block: its checks (shape, 16-byte strides, block) ran once, when
+    it was made; the base's 16-byte alignment is _tma_ok's. NOTE: a template holds no tensor
+    (a cached A_full would keep its memory from the next call's); a descriptor its own base."""
+    key = (t.shape, t.stride(), t.dtype, b0, b1, transposed)
+    tpl = _DESCS.get(key)
+    if tpl is None:
+        d = TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1])
+        tpl = dict(d.__dict__)
+        tpl["base"] = None
+        if len(_DESCS) >= 256:
+            _DESCS.clear()
+        _DESCS[key] = tpl
+        return d
+    d = _new(TensorDescriptor)
+    d.__dict__.update(tpl)
+    d.base = t.t() if transposed else t
+    return d
+
+
+_new = object.__new__
+
+
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
                 biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False,
                 stream_k=None, sk_config=None):
@@ -948,33 +979,51 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = A.shape
     N = B.shape[1]
-    dev = A.device
-    cfg, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
-    a_desc = TensorDescriptor.from_tensor(A, [cfg.BLOCK_M, cfg.BLOCK_K])
     kmajor = B.stride(1) != 1
-    b_desc = (TensorDescriptor.from_tensor(B.t(), [cfg.BLOCK_N, cfg.BLOCK_K]) if kmajor
-              else TensorDescriptor.from_tensor(B, [cfg.BLOCK_K, cfg.BLOCK_N]))  # fmt: skip
+    has_bias = biases is not None
+    # The launch plan: everything but the addresses, from the shapes and options only (their
+    # complete list: the key). NOTE: the module's STREAM_K and SK_* values are part of it.
+    key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, stream_k, mode, a_mode, b_mode, has_bias,
+           fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
+           STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT)  # fmt: skip
+    plan = _TMA_PLANS.get(key)
+    if plan is None:
+        c, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
+        if sk_mode:
+            grid = (sms,)  # every program takes a share (a unit) of the split tiles
+        else:
+            tiles = num_chunks * _cdiv(M // num_chunks, c.BLOCK_M) * _cdiv(N, c.BLOCK_N)
+            grid = (max(1, min(sms, tiles)),)
+        constexprs = dict(
+            NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=has_bias, A_SCALE_MODE=a_mode,
+            B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
+            SK_MODE=sk_mode, SUB_M=min(c.BLOCK_M, 32), BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
+            GROUP_M=c.GROUP_M, NUM_SMS=grid[0],
+        )  # fmt: skip
+        options = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        bdesc = (c.BLOCK_N, c.BLOCK_K, True) if kmajor else (c.BLOCK_K, c.BLOCK_N, False)
+        plan = (c, sk_mode, sk_tiles, splits, grid, constexprs, options, (c.BLOCK_M, c.BLOCK_K, False), bdesc)
+        if len(_TMA_PLANS) >= 1024:
+            _TMA_PLANS.clear()
+        _TMA_PLANS[key] = plan
+    c, sk_mode, sk_tiles, splits, grid, constexprs, options, adesc, bdesc = plan
+    dev = A.device
     if sk_mode:
-        grid = (sms,)  # every program takes a share (a unit) of the split tiles
-        pieces, sync = _sk_buffers(dev, sms, cfg)
+        pieces, sync = _sk_buffers(dev, sms, c)
     else:
-        tiles = num_chunks * _cdiv(M // num_chunks, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N)
-        grid = (max(1, min(sms, tiles)),)
         pieces = sync = _dummy(dev, torch.int32)
+    dummy = None if A_scale is not None and B_scales is not None and has_bias else _dummy(dev)
     args = [
-        a_desc, b_desc, C,
-        _flat(A_scale) if A_scale is not None else _dummy(dev),
-        _flat(B_scales[0]) if B_scales is not None else _dummy(dev),
-        _flat(biases[0]) if biases is not None else _dummy(dev),
+        _descriptor(A, *adesc), _descriptor(B, *bdesc), C,
+        _flat(A_scale) if A_scale is not None else dummy,
+        _flat(B_scales[0]) if B_scales is not None else dummy,
+        _flat(biases[0]) if has_bias else dummy,
         result_scale,
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, splits,
         int(2 * timeout_s * 1e9) + 1_000_000_000, pieces, sync,
     ]  # fmt: skip
-    constexprs = dict(
-        NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=biases is not None, A_SCALE_MODE=a_mode,
-        B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
-        SK_MODE=sk_mode, SUB_M=min(cfg.BLOCK_M, 32), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_SMS=grid[0],
-    )  # fmt: skip
-    launch(_persistent_matmul_tma_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch_static(_persistent_matmul_tma_kernel, grid, args, constexprs, options, key)
     return [C]
+
+
+_TMA_PLANS = {}

@@ -53,9 +53,11 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1234, raising=False)
     L._KERNELS.clear()
     L._NAMES.clear()
+    L._STATIC.clear()
     yield
     L._KERNELS.clear()
     L._NAMES.clear()
+    L._STATIC.clear()
 
 
 def test_direct_launch_after_the_first_call_of_a_key(fake_device):
@@ -70,6 +72,24 @@ def test_direct_launch_after_the_first_call_of_a_key(fake_device):
     (call,) = k.calls
     # grid, stream, function, packed metadata, no launch metadata or hooks, args, constexprs in order
     assert call == (3, 1, 1, 1234, "fn-handle", "meta", None, None, None, x, y, 64, 0.5, 32, True)
+
+
+def test_a_static_key_finds_the_kernel_of_the_same_launch_without_one(fake_device):
+    """launch_static's key (a launch plan's) stands for the constexprs and options: the kernel key
+    it makes is the plain one, so both forms find one compiled kernel, and the launcher gets the
+    constexpr values of the plan's first launch."""
+    fn = _FakeJIT()
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    L.launch_static(fn, (2,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32), dict(num_warps=4), ("plan", 1))
+    L.launch_static(fn, (2,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32), dict(num_warps=4), ("plan", 1))
+    L.launch(fn, (2,), [x, y, 64, 0.5], dict(FLAG=True, BLOCK=32), num_warps=4)
+    assert len(fn.plain) == 1
+    (k,) = fn.compiled.values()
+    assert [c[-2:] for c in k.calls] == [(32, True), (32, True)]
+    # Another plan (other constexprs) is another kernel, whichever form launches it.
+    L.launch_static(fn, (2,), [x, y, 64, 0.5], dict(FLAG=False, BLOCK=32), dict(num_warps=4), ("plan", 2))
+    L.launch(fn, (2,), [x, y, 64, 0.5], dict(FLAG=False, BLOCK=32), num_warps=4)
+    assert len(fn.plain) == 2 and len(fn.compiled) == 2
 
 
 class _OnDevice(torch.Tensor):

@@ -950,3 +950,139 @@ def test_split_tail_owner_sums_in_row_slabs(dtype, sk_buffers):
                                 config=pm.Config(64, 16, 32, 2, 4, 2), num_sms=6, stream_k=("split", 2, 3), **kw)  # fmt: skip
     assert sk_buffers and (sk_buffers[0][1] == 0).all()
     assert_matmul_close(C, ref, ref.half(), k=3.0, atol=1e-4)
+
+
+# -- host-side caches of the TMA launch (issue 14: host cost) -----------------------------------
+
+
+def _rnd(*shape, dtype=torch.float32):
+    return randn(shape, random.randrange(2**31), dtype=dtype)
+
+
+def _tma_launches(monkeypatch):
+    """Records what each TMA launch is given (grid, arguments by kind, constexprs, options)."""
+    seen = []
+    real = pm.launch_static
+
+    def spy(fn, grid, args, constexprs, options, static=None):
+        def show(a):
+            if hasattr(a, "block_shape"):  # a tensor descriptor: every field, its base by address
+                return ("desc", a.base.data_ptr(), a.base.dtype, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), a.padding)  # fmt: skip
+            if isinstance(a, torch.Tensor):
+                return ("tensor", a.data_ptr(), a.dtype, tuple(a.shape))
+            return a
+
+        seen.append((tuple(grid), [show(a) for a in args], dict(constexprs), dict(options)))
+        return real(fn, grid, args, constexprs, options, static)
+
+    monkeypatch.setattr(pm, "launch_static", spy)
+    return seen
+
+
+def _variants():
+    """Calls that differ in one input of the launch plan each (shape, layout, dtype, options)."""
+    cfg = pm.Config(16, 16, 32, 2, 4, 2)
+    A = _rnd(48, 64, dtype=torch.float16)
+    B = _rnd(64, 32, dtype=torch.float16)
+    A8, B8 = _rnd(48, 64).to(FP8), _rnd(32, 64).to(FP8).t()
+    s1, srow, scol = torch.ones(1), torch.rand(48) + 0.5, torch.rand(32) + 0.5
+    base = dict(kernel="tma", config=cfg, num_sms=5)
+    return [
+        (A, [B], base),
+        (A, [B], dict(base, num_sms=3)),
+        (A[:32], [B], base),
+        (_rnd(48, 80, dtype=torch.float16)[:, :64], [B], base),  # rows 80 apart: A's shape, other strides
+        (A, [B[:, :16]], base),
+        (A, [B.t().contiguous().t()], base),  # K-major B
+        (A, [B], dict(base, config=pm.Config(16, 32, 32, 2, 4, 2))),
+        (A, [B], dict(base, out_dtype=torch.float32)),
+        (A, [B], dict(base, num_chunks=3)),
+        (A, [B], dict(base, stream_k=("split", 2, 2))),
+        (A, [B], dict(base, stream_k=4)),
+        (A8, [B8], dict(base, A_scale=s1, B_scales=[s1])),
+        (A8, [B8], dict(base, A_scale=srow, B_scales=[scol])),
+        (A8, [B8], dict(base, A_scale=srow, B_scales=[scol], biases=[torch.rand(32)])),
+        (A8, [B8], dict(base, A_scale=s1, B_scales=[s1], fast_accum=False)),
+        (A8, [B8], dict(base, A_scale=s1, B_scales=[s1], out_dtype=FP8, result_scale=torch.full((1,), 0.5))),
+        (A8, [B8], dict(base, A_scale=s1, B_scales=[s1], out_dtype=FP8)),
+        (A, [B], dict(base, kernel="tma_flat")),
+        (A, [B], dict(base, guard=True)),
+    ]
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the host caches (the GPU tests run the same launches)")
+def test_cached_launch_plans_give_every_launch_what_a_fresh_plan_gives(monkeypatch, sk_buffers):
+    """The plan cache's key covers every input of the plan: after launches of all the variants
+    (in two orders, so each one finds the cache full of the others' plans), each launch gets
+    the grid, arguments, constexprs and options that an empty cache gives it, and its result
+    is the same."""
+    seen = _tma_launches(monkeypatch)
+    vs = _variants()
+    fresh = []
+    for A, Bs, kw in vs:
+        pm._TMA_PLANS.clear()
+        pm._DESCS.clear()
+        pm._FP8_OUT.clear()
+        fresh.append((seen.__len__(), pm.persistent_matmul(A, Bs, **kw)[0].clone()))
+    cold = list(seen)
+    seen.clear()
+    order = list(range(len(vs))) + list(reversed(range(len(vs))))
+    for i in order:
+        A, Bs, kw = vs[i]
+        (C,) = pm.persistent_matmul(A, Bs, **kw)
+        got, want = seen[-1], cold[i]
+        assert got[0] == want[0] and got[2] == want[2] and got[3] == want[3], (i, got, want)
+        # Addresses of the outputs and the split buffers are per call; all else is the same.
+        for g, w in zip(got[1], want[1]):
+            if isinstance(w, tuple) and w[0] == "tensor" and w[1] != g[1]:
+                assert g[0] == "tensor" and g[2:] == w[2:], (i, g, w)
+            else:
+                assert g == w, (i, g, w)
+        assert torch.equal(C.float().nan_to_num(), fresh[i][1].float().nan_to_num()), i
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the host caches")
+def test_the_plan_follows_stream_k_set_between_launches(monkeypatch, sk_buffers):
+    """STREAM_K (the module's default mode) changed between two launches of one shape changes
+    the plan: the cache does not keep the first one's."""
+    seen = _tma_launches(monkeypatch)
+    A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5, stream_k=True)
+    modes = []
+    for mode in ("split", "stream", None, "split"):
+        monkeypatch.setattr(pm, "STREAM_K", mode)
+        pm.persistent_matmul(A, [B], **kw)
+        modes.append(seen[-1][2]["SK_MODE"])
+    assert modes == [2, 1, 2, 2], modes  # True with STREAM_K None: "split"
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_descriptors_from_templates_equal_fresh_ones_and_hold_no_tensor(transposed):
+    import gc
+    import weakref
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    pm.TensorDescriptor = TensorDescriptor
+    pm._DESCS.clear()
+    t = _rnd(32, 64, dtype=torch.float16)
+    t = t.t() if transposed else t
+    first = pm._descriptor(t, 16, 32, transposed)
+    u = _rnd(*t.shape, dtype=torch.float16)
+    u = u.t().contiguous().t() if transposed else u
+    from_template = pm._descriptor(u, 16, 32, transposed)
+    want = TensorDescriptor.from_tensor(u.t() if transposed else u, [16, 32])
+    assert from_template.__dict__.keys() == want.__dict__.keys()
+    for k, v in want.__dict__.items():
+        got = from_template.__dict__[k]
+        if isinstance(v, torch.Tensor):
+            assert got.data_ptr() == v.data_ptr() and got.shape == v.shape and got.stride() == v.stride()
+        else:
+            assert got == v, k
+    assert first.base.data_ptr() == t.data_ptr()
+    # The cache keeps no tensor alive (a cached A_full would keep its memory from the next call).
+    ref = weakref.ref(u)
+    del u, from_template, want
+    gc.collect()
+    assert ref() is None
