@@ -33,7 +33,8 @@ def make(M, N, K, kind):
     return A8, B8, torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
 
 
-def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat"), stream_k=True, tune_sk=False):
+def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat"), stream_k=True, tune_sk=False,
+              lean=False):
     A, B, sa, sb = make(M, N, K, kind)
     if kind == "bf16":
         cublas = lambda: torch.mm(A, B)  # noqa: E731
@@ -54,6 +55,7 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
     if stream_k:  # the default path with whole tiles only, and with each way of splitting the last wave
         fns["mptp_whole_tiles"] = run(stream_k=False)
+    if stream_k and not lean:
         fns["mptp_split"] = run(stream_k="split")
         fns["mptp_stream"] = run(stream_k="stream")
         fns["mptp_consumer_split"] = run(consumer=True, stream_k="split")
@@ -123,6 +125,7 @@ def main():
     p.add_argument("--Ns", default=None, help="only these N (comma-separated)")
     p.add_argument("--sk", action="store_true", help="--tune: also each config with the stream-K split")
     p.add_argument("--out", default=None, help="also copy the CSV here")
+    p.add_argument("--lean", action="store_true", help="only cuBLAS, the default path (plain, consumer) and whole tiles")
     p.add_argument("--kernels", default="", help="also these kernel families forced (pointer,tma,tma_flat)")
     a = p.parse_args()
     Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
@@ -135,7 +138,7 @@ def main():
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
             if a.Ns and N not in [int(n) for n in a.Ns.split(",")]:
                 continue
-            fns = providers(M, N, K, kind, kernels=a.kernels.split(",") if a.kernels else ())
+            fns = providers(M, N, K, kind, kernels=a.kernels.split(",") if a.kernels else (), lean=a.lean)
             # GPU time without host launch cost, for cuBLAS and ours alike (see bench/NOTES.md).
             fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer", "mptp_whole_tiles",
                                                         "mptp_split", "mptp_stream", "mptp_consumer_split")

@@ -42,7 +42,7 @@ if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
 fi
 if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and from CUDA graphs
   [ "${DIAG:-1}" = 1 ] && step diag 90 diag_stream_k.txt python3 bench/diag_stream_k.py; cat "$OUT/bench/diag_stream_k.txt" | tail -6
-  step persistent ${PM_S:-200} persistent.txt python3 bench/bench_persistent_matmul.py --Ms "${PM_MS:-4096,8192}" ${PM_NS:+--Ns "$PM_NS"} --out "$OUT/bench"
+  step persistent ${PM_S:-200} persistent.txt python3 bench/bench_persistent_matmul.py --Ms "${PM_MS:-4096,8192}" ${PM_NS:+--Ns "$PM_NS"} ${PM_ARGS:-} --out "$OUT/bench"
   grep -v "^\[rank" "$OUT/bench/persistent.txt" | tail -8
 fi
 [ "${LOOPBACK:-1}" = 1 ] || { pack; exit 0; }

@@ -832,16 +832,23 @@ TensorDescriptor = None
 # tile's units at the same K offsets (the A rows and B columns they share are read from L2 at
 # about the same time, as whole tiles are). "stream" (SK_MODE 1): stream-K, every program an
 # equal share of the last waves' K iterations.
-# STREAM_K: what "auto" does (None: never). The candidates are the call's default config and
-# SK_CONFIG (large tiles, faster per SM: SK_TILE_EFF is the default small tiles' speed
-# relative to them), whichever is estimated faster.
-# NOTE: off by default. Measured on an H100 against whole tiles in the same run (graph timing,
-# bench/results/h100_persistent_matmul_split_3e4d5fb.*): "split" gains 2-6% at N = 1280
-# (K = 8192) and loses 2-15% at N = 768 (K = 4096), where the estimate above expected gains;
-# "stream" is slower everywhere (up to 1.45x). Neither reaches 0.95x of cuBLAS on small N.
-STREAM_K = None
+# STREAM_K: what "auto" does (None: whole tiles of the default config, always). The candidates
+# are the call's default config and SK_CONFIG (large tiles, faster per SM: SK_TILE_EFF is the
+# default small tiles' speed relative to them), each with whole tiles and with the split,
+# whichever is estimated fastest (see _sk_plan).
+# NOTE: history. The first estimate (no split cost, SK_TILE_EFF 0.87) chose splits that lost
+# 2-15% at N = 768 (bench/results/h100_persistent_matmul_split_3e4d5fb.*), so the split was off by
+# default; recalibrated on the diagnosis of cf165a0 (SK_SPLIT_COST), it is "split" again.
+# "stream" is slower everywhere measured (up to 1.45x).
+STREAM_K = "split"
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
-SK_TILE_EFF = 0.87
+# Calibrated on an H100 (bench/diag_stream_k.py, bf16, M 4096 / 8192, N 768 / 1280, graph timing,
+# bench/results/h100_diag_stream_k_cf165a0.txt): a 128 x 128 tile wave takes 0.62 of a 128 x 256
+# one (30.7 against 49.6 us at K = 4096): SK_TILE_EFF 0.81; a split last wave took 18-28 us more
+# than 1 / s of a wave (0.32-0.38 of one): SK_SPLIT_COST.
+SK_TILE_EFF = 0.81
+SK_SPLIT_COST = 0.35
+SK_MIN_GAIN = 0.03
 SK_MAX_SPLIT = 8
 # "auto" splits only calls of at least this many FLOPs (~15 us of H200 tensor-core time): below it
 # the split's few microseconds of fixed cost (tickets, pieces, the wait) are not worth a wave.
@@ -889,14 +896,29 @@ def _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k):
         mode = STREAM_K if stream_k is None else stream_k
         if mode is None or (stream_k is None and (sk_config is None or 2.0 * M * N * K < SK_MIN_FLOPS)):
             return cfg, 0, 0, 1
-        # NOTE: the default config and the large-tile one, whichever is estimated faster.
-        best = None
+        # NOTE: the default config and the large-tile one, each with whole tiles and split:
+        # whichever is estimated fastest, where it gains at least SK_MIN_GAIN over the default
+        # config's whole tiles (in large-tile times: a default tile takes SK_TILE_EFF of its
+        # area's share; a split last wave costs SK_SPLIT_COST of a wave on top of its 1 / s).
+        def est(c, m):
+            t, kt = tiles_of(c), _cdiv(K, c.BLOCK_K)
+            w = _waves(t, sms, kt, m) if m else float(-(-t // sms))
+            if m and w != -(-t // sms):
+                w += SK_SPLIT_COST
+            return w * c.BLOCK_M * c.BLOCK_N / (1.0 if c == sk_config else SK_TILE_EFF)
+
+        base = est(cfg, None)
+        best = (base, cfg, None)
         for c in (cfg, sk_config) if sk_config is not None and sk_config != cfg else (cfg,):
-            eff = 1.0 if c == sk_config else SK_TILE_EFF
-            est = _waves(tiles_of(c), sms, _cdiv(K, c.BLOCK_K), mode) * c.BLOCK_M * c.BLOCK_N / eff
-            if best is None or est < best[0]:
-                best = (est, c)
+            for m in (None, mode):
+                e = est(c, m)
+                if e < best[0]:
+                    best = (e, c, m)
+        if best[0] > base * (1.0 - SK_MIN_GAIN):
+            return cfg, 0, 0, 1
         cfg = best[1]
+        if best[2] is None:
+            return cfg, 0, 0, 1
     elif stream_k is False or stream_k == 0:
         return cfg, 0, 0, 1
     elif type(stream_k) is tuple:  # ("split", R, s): tests
@@ -985,7 +1007,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     # complete list: the key). NOTE: the module's STREAM_K and SK_* values are part of it.
     key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, stream_k, mode, a_mode, b_mode, has_bias,
            fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
-           STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT)  # fmt: skip
+           STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN)  # fmt: skip
     plan = _TMA_PLANS.get(key)
     if plan is None:
         c, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
