@@ -160,10 +160,12 @@ def launch(fn, grid: Sequence[int], args: Sequence, constexprs: dict, **options)
 _STATIC: Dict[tuple, tuple] = {}  # (id(fn), static key) -> (constexpr values, the key's static part)
 
 
-def launch_static(fn, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, static=None) -> None:
+def launch_static(fn, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, static=None):
     """launch(fn, grid, args, constexprs, **options); static: None, or a hashable value that
     the caller guarantees determines constexprs, options and len(args) for this fn (a launch
     plan's key): their values and the key's part made of them are then looked up, not rebuilt.
+    Returns what a direct launch gave the launcher -- (compiled kernel, grid as 3 ints, bound
+    arguments, constexpr values, device index) -- or None after a plain launch.
     """
     global FAST
     if args.__class__ is not list and args.__class__ is not tuple:
@@ -210,6 +212,7 @@ def launch_static(fn, grid: Sequence[int], args: Sequence, constexprs: dict, opt
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *cvals)
         stats["direct"] += 1
+        return kernel, (grid[0], g1, g2), call, cvals, device_index
     except Exception as e:  # noqa: BLE001 - another Triton's launcher: fall back for good
         FAST = False
         from .. import env

@@ -1096,3 +1096,173 @@ def test_descriptors_from_templates_equal_fresh_ones_and_hold_no_tensor(transpos
     del u, from_template, want
     gc.collect()
     assert ref() is None
+
+
+class _FakeCompiled:
+    """Stands in for a compiled kernel: records what its launcher is given."""
+
+    packed_metadata = "meta"
+    function = "fn"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    """The launch logic without a GPU: every launch is direct, to a recording stand-in kernel, and
+    the launch memo takes CPU tensors (which reach the launcher as tensors, not addresses)."""
+    from mptp_kernels.kernels import launch as L
+
+    k = _FakeCompiled()  # every launch's record; a kernel per key (its specialization) stands in below
+
+    class PerKey(_FakeCompiled):
+        def __init__(self, n):
+            self.n = n
+
+        def run(self, *a):
+            k.calls.append(a[:4] + (("kernel", self.n),) + a[5:])
+
+    class Always(dict):
+        def get(self, key, default=None):
+            if key not in self:
+                self[key] = PerKey(len(self))
+            return self[key]
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "FAST", True)
+    monkeypatch.setattr(L, "_KERNELS", Always())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1234, raising=False)
+    monkeypatch.setattr(pm, "_memo_device", lambda A: True)
+    monkeypatch.setattr(pm, "_TENSOR_SLOTS", ())
+    # The kernel as a JITFunction (the interpreter's stands in otherwise: launched plainly).
+    class Jit(triton.runtime.jit.JITFunction):
+        def __getitem__(self, grid):  # Triton's own launch (first call of a key, hooks): recorded
+            return lambda *a, **kw: k.calls.append(("plain", grid, a, kw)) or k
+
+    fn = pm._persistent_matmul_tma_kernel
+    monkeypatch.setattr(pm, "_persistent_matmul_tma_kernel", Jit(getattr(fn, "fn", fn)))
+    monkeypatch.setattr(pm, "_MEMO", {})
+    hits = []
+    real = pm._memo_launch
+
+    def spy(*a):
+        r = real(*a)
+        hits.append(r is not None)
+        return r
+
+    monkeypatch.setattr(pm, "_memo_launch", spy)
+    return k, hits
+
+
+_ARGS0 = 9  # the launcher's leading arguments: grid (3), stream, function, metadata, launch metadata, hooks (2)
+
+
+def _shown(call, fresh_slots):
+    """A launcher call, comparable across calls: descriptors by fields, tensors by address (a
+    CPU tensor reaches it as a tensor where a CUDA one reaches it as its address: the same here),
+    and what is made per call (a fresh output, split buffers) as "fresh"."""
+    out = []
+    for i, a in enumerate(call):
+        if i - _ARGS0 in fresh_slots:
+            out.append("fresh")
+        elif hasattr(a, "block_shape"):
+            out.append(("desc", a.base.data_ptr(), a.base.dtype, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), a.padding, a.round_f32_to_tf32))  # fmt: skip
+        elif isinstance(a, torch.Tensor):
+            out.append(a.data_ptr())
+        else:
+            out.append(a)
+    return out
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo (the GPU tests run through it)")
+def test_the_launch_memo_gives_the_launcher_what_the_full_path_gives(fake_launcher):
+    """Each variant's second call is served by the memo and hands the launcher exactly what the
+    full path handed it (over all the variants' entries at once, in two orders); a copy of the
+    inputs at other addresses is not served an entry of the originals."""
+    k, hits = fake_launcher
+    vs = _variants() + [(A, Bs, dict(kw, outs=[torch.empty(A.shape[0], Bs[0].shape[1])])) for A, Bs, kw in _variants()[:3]]
+    vs += [(A, Bs, dict(kw, num_chunks=2, mode=pm.MODE_CONSUMER, flags=torch.ones(2, dtype=torch.int32),
+                        order=torch.tensor([1, 0], dtype=torch.int32), tag=7)) for A, Bs, kw in _variants()[:2]]  # fmt: skip
+    A, Bs, kw = vs[-1]
+    vs += [(A, Bs, dict(kw, epoch=2)), (A, Bs, dict(kw, timeout_s=5.0)), (A, Bs, dict(kw, poison=False)),
+           (A, Bs, dict(kw, err=torch.zeros(6, dtype=torch.int32)))]
+    vs += [(A, Bs, dict(kw, tag=9)), (A, Bs, dict(kw, mode=pm.MODE_PLAIN))]
+    A, Bs, kw = vs[0]
+    vs += [(A.view(torch.bfloat16), [Bs[0].view(torch.bfloat16)], kw)]  # the same addresses and layouts, another dtype
+    # Pairs at the same addresses with the same shapes, told apart by strides or dtype only.
+    buf = _rnd(48 * 80, dtype=torch.float16)
+    sq = _rnd(64, 64, dtype=torch.float16)
+    o32 = torch.empty(48, 32)
+    # ... and by alignment only (a base 2 bytes off 16: A and B refused by the TMA kernel, an output
+    # another specialization).
+    for bad in ("A", "B"):
+        a = buf[1 : 1 + 48 * 64].view(48, 64) if bad == "A" else A
+        b = buf[1 : 1 + 64 * 32].view(64, 32) if bad == "B" else Bs[0]
+        pm.persistent_matmul(buf[: 48 * 64].view(48, 64), [buf[: 64 * 32].view(64, 32)], **kw)
+        pm.persistent_matmul(buf[: 48 * 64].view(48, 64), [buf[: 64 * 32].view(64, 32)], **kw)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            pm.persistent_matmul(a if bad == "A" else buf[: 48 * 64].view(48, 64),
+                                 [b if bad == "B" else buf[: 64 * 32].view(64, 32)], **kw)  # fmt: skip
+    o16 = torch.empty(48 * 32 + 1, dtype=torch.float16)
+    vs += [(A, Bs, dict(kw, outs=[o16[:-1].view(48, 32)])), (A, Bs, dict(kw, outs=[o16[1:].view(48, 32)]))]
+    vs += [(buf[: 48 * 64].view(48, 64), Bs, kw), (buf.view(48, 80)[:, :64], Bs, kw),
+           (A, [sq], kw), (A, [sq.t()], kw),
+           (A, Bs, dict(kw, outs=[o32])), (A, Bs, dict(kw, outs=[o32.view(-1).view(torch.float16)[: 48 * 32].view(48, 32)]))]
+    hits.clear()
+    full = []
+    for A, Bs, kw in vs:
+        n = len(k.calls)
+        pm.persistent_matmul(A, Bs, **kw)
+        # the launcher calls of this variant: the matmul, and a consumer's NaN check
+        fresh = {2, 19, 20} if "outs" not in kw else {19, 20}
+        full.append((len(k.calls) - n, [_shown(c, fresh) for c in k.calls[n:]], fresh))
+    assert not any(hits)
+    for i in list(range(len(vs))) + list(reversed(range(len(vs)))):
+        A, Bs, kw = vs[i]
+        n, want, fresh = full[i]
+        before = len(k.calls)
+        pm.persistent_matmul(A, Bs, **kw)
+        assert hits[-1], f"variant {i}: not served by the memo"
+        got = [_shown(c, fresh) for c in k.calls[before:]]
+        assert got == want, f"variant {i}"
+    # Copies at other addresses (same shapes, layouts and options), of A, B or both: their own addresses.
+    for A, Bs, kw in vs[:5]:
+        A2 = A.clone()
+        B2 = Bs[0].t().contiguous().t() if Bs[0].stride(0) == 1 else Bs[0].clone()
+        for a, b in ((A2, Bs[0]), (A, B2), (A2, B2)):
+            n = len(k.calls)
+            pm.persistent_matmul(a, [b], **kw)
+            call = k.calls[n][_ARGS0:]
+            assert call[0].base.data_ptr() == a.data_ptr() and call[1].base.data_ptr() == b.data_ptr()
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+def test_the_launch_memo_steps_aside_for_hooks_strided_scales_and_module_settings(fake_launcher, monkeypatch):
+    """Not served by the memo: a launch with a launch hook installed, a strided scale (copied per
+    call), and a call after the module's split settings changed."""
+    from mptp_kernels.kernels import launch as L
+
+    k, hits = fake_launcher
+    A, (B,) = _rnd(48, 64, dtype=torch.float16), [_rnd(64, 32, dtype=torch.float16)]
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    pm.persistent_matmul(A, [B], **kw)
+    pm.persistent_matmul(A, [B], **kw)
+    assert hits == [True]
+    monkeypatch.setattr(L, "_hooks", lambda: True)
+    pm.persistent_matmul(A, [B], **kw)
+    assert hits == [True, False]
+    monkeypatch.setattr(L, "_hooks", lambda: False)
+    monkeypatch.setattr(pm, "STREAM_K", "stream")
+    pm.persistent_matmul(A, [B], **kw)
+    assert hits == [True, False], "another STREAM_K is another key"
+    A8, B8 = _rnd(48, 64).to(FP8), _rnd(32, 64).to(FP8).t()
+    scale = (torch.rand(48, 2) + 0.5)[:, 0]  # a column: strided
+    for _ in range(2):
+        pm.persistent_matmul(A8, [B8], A_scale=scale, B_scales=[torch.ones(1)], **kw)
+    assert hits == [True, False], "a strided scale is not memoized"
