@@ -142,8 +142,9 @@ def main():
     for k in ("auto", "pointer"):
         fns[f"persistent_matmul bf16 {k}, Python binder"] = with_launch_flag(
             fns[f"persistent_matmul bf16 {k}"], "C_PREPARE")  # fmt: skip
-    # Same run: the launch plan, descriptor templates and static constexprs rebuilt on every call
-    # (the host path before they were cached; clearing four dicts costs well under a microsecond).
+    # Same run: without the launch memo (pm.MEMO), and also with the launch plan, descriptor
+    # templates and static constexprs rebuilt on every call (the host path before either was
+    # cached; clearing four dicts costs well under a microsecond).
     def uncached(fn):
         def call():
             pm._TMA_PLANS.clear(), pm._DESCS.clear(), pm._FP8_OUT.clear(), L._STATIC.clear()
@@ -151,8 +152,19 @@ def main():
 
         return call
 
+    def no_memo(fn):
+        def call():
+            pm.MEMO = False
+            try:
+                return fn()
+            finally:
+                pm.MEMO = True
+
+        return call
+
     for name in ("persistent_matmul bf16 auto", "persistent_matmul fp8 row tma"):
-        fns[f"{name}, plans rebuilt per call"] = uncached(fns[name])
+        fns[f"{name}, no launch memo"] = no_memo(fns[name])
+        fns[f"{name}, no memo, plans rebuilt per call"] = no_memo(uncached(fns[name]))
     for k in ("auto", "pointer"):
         try:
             fns[f"Triton launcher alone, bf16 {k}"] = launcher_only(fns[f"persistent_matmul bf16 {k}"])
