@@ -147,7 +147,7 @@ def main():
     # cached; clearing four dicts costs well under a microsecond).
     def uncached(fn):
         def call():
-            pm._TMA_PLANS.clear(), pm._DESCS.clear(), pm._FP8_OUT.clear(), L._STATIC.clear()
+            pm._TMA_PLANS.clear(), pm._DESCS.clear(), L._STATIC.clear()
             return fn()
 
         return call

@@ -588,7 +588,6 @@ def _cdiv(a: int, b: int) -> int:
 
 
 _DUMMY = {}
-_FP8_OUT = {}
 _ORDERS = {}
 _ERR = {}
 
@@ -709,7 +708,10 @@ def persistent_matmul(
                          flags, epoch, mode, timeout_s, err, config, num_sms, kernel, result_scale, tag, poison,
                          guard, stream_k)  # fmt: skip
         if memo is not None:
-            hit = _MEMO.get(memo)
+            try:
+                hit = _MEMO.get(memo)
+            except TypeError:  # an unhashable argument: the full path says what is wrong with it
+                hit = memo = None
             if hit is not None:
                 done = _memo_launch(hit, A, Bs[0], outs, err)
                 if done is not None:
@@ -733,6 +735,7 @@ def persistent_matmul(
     out_dtype = outs[0].dtype  # preallocated outputs decide (all of one dtype)
     cfg = config or pick_config(A.dtype, M, Ns, K)
     sms = num_sms or (_num_sms(dev.index or 0) if dev.type == "cuda" else 4)
+    order_default, err_default = order is None, err is None
     if order is None:
         order = _identity_order(dev, num_chunks)
     dummy_i, dummy_f = _dummy(dev, torch.int32), _dummy(dev)
@@ -746,10 +749,8 @@ def persistent_matmul(
     if result_scale is not None:
         assert result_scale.numel() == 1 and result_scale.dtype == torch.float32, "result_scale: one float32"
         result_scale = result_scale.reshape(1)
-    fp8_key = (dev.type, out_dtype, result_scale is not None)
-    fp8_out = _FP8_OUT.get(fp8_key)
-    if fp8_out is None:  # NOTE: shared by launches: read only
-        fp8_out = _FP8_OUT[fp8_key] = epilogue.fp8_out_constexprs(dev, out_dtype, result_scale is not None)
+    # NOTE: per call, not cached: epilogue.SCALED_MM_FP8_OUT may be changed between calls.
+    fp8_out = epilogue.fp8_out_constexprs(dev, out_dtype, result_scale is not None)
     a_mode = 0 if A_scale is None else (1 if A_scale.numel() == 1 else 2)
     b_mode = 0
     if B_scales is not None:
@@ -785,8 +786,10 @@ def persistent_matmul(
                 result_scale if result_scale is not None else dummy_f, tag, fp8_out, guard, stream_k, sk_config)
         if memo is not None:  # what a later call of this key needs besides the key's own tensors
             # NOTE: the defaults made here (order, err, dummies) are held by the entry: the
-            # addresses it keeps stay theirs even if a cache of them is ever dropped.
-            memo = (memo, outs_given, out_dtype, mode == MODE_CONSUMER and poison, err, (order, dummy_i, dummy_f))
+            # addresses it keeps stay theirs even if a cache of them is ever dropped. The
+            # caller's own tensors are not (their addresses are in the key).
+            memo = (memo, outs_given, out_dtype, mode == MODE_CONSUMER and poison, err if err_default else None,
+                    (order if order_default else None, dummy_i, dummy_f))  # fmt: skip
         if not auto:
             return _poisoned(_launch_tma(*args, memo=memo), mode, err, poison)
         # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
@@ -986,11 +989,13 @@ _DESCS = {}
 
 
 def _template(t, b0, b1, transposed):
-    """The template _descriptor clones for t's layout (made by it on first use)."""
+    """The template _descriptor clones for t's layout."""
     key = (t.shape, t.stride(), t.dtype, b0, b1, transposed)
-    if key not in _DESCS:
-        _descriptor(t, b0, b1, transposed)
-    return _DESCS[key]
+    tpl = _DESCS.get(key)
+    if tpl is None:  # NOTE: made here, not looked up again (another thread may clear _DESCS)
+        tpl = dict(TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]).__dict__)
+        tpl["base"] = None
+    return tpl
 
 
 def _descriptor(t, b0, b1, transposed):
@@ -1031,7 +1036,9 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     has_bias = biases is not None
     # The launch plan: everything but the addresses, from the shapes and options only (their
     # complete list: the key). NOTE: the module's STREAM_K and SK_* values are part of it.
-    key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, stream_k, mode, a_mode, b_mode, has_bias,
+    # NOTE: stream_k by its repr: True (the split) and 1 (stream-K over one tile) are == in Python.
+    key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, None if stream_k is None else repr(stream_k), mode,
+           a_mode, b_mode, has_bias,
            fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
            STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN)  # fmt: skip
     plan = _TMA_PLANS.get(key)
@@ -1072,18 +1079,27 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     ]  # fmt: skip
     done = launch_static(_persistent_matmul_tma_kernel, grid, args, constexprs, options, key)
     if memo is not None and done is not None:
-        kernel, grid3, call, cvals, device_index = done
-        mkey, outs_given, out_dtype, poison, err, held = memo
-        call = list(call)
-        if all(type(call[i]) is int for i in _TENSOR_SLOTS):  # addresses only: the entry holds no tensor
-            call[0] = call[1] = None  # the descriptors are made per call (they hold A and B)
-            if len(_MEMO) >= 256:
-                _MEMO.clear()
-            atpl, btpl = _template(A, *adesc), _template(B, *bdesc)
-            _MEMO[mkey] = (kernel, grid3, tuple(call), cvals, device_index, atpl, btpl, bdesc[2],
-                           (sms, c) if sk_mode else None, None if outs_given else ((M, N), out_dtype, A.device),
-                           poison, err, held)  # fmt: skip
+        try:
+            _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B)
+        except Exception:  # noqa: BLE001 - the launch is done: a failed record only costs the next call time
+            pass
     return [C]
+
+
+def _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B):
+    """Keeps a direct launch's bound arguments for later calls of its key (see _MEMO)."""
+    kernel, grid3, call, cvals, device_index = done
+    mkey, outs_given, out_dtype, poison, err, held = memo
+    call = list(call)
+    if not all(type(call[i]) is int for i in _TENSOR_SLOTS):  # addresses only: the entry holds no tensor
+        return
+    call[0] = call[1] = None  # the descriptors are made per call (they hold A and B)
+    atpl, btpl = _template(A, *adesc), _template(B, *bdesc)
+    if len(_MEMO) >= 256:
+        _MEMO.clear()
+    _MEMO[mkey] = (kernel, grid3, tuple(call), cvals, device_index, atpl, btpl, bdesc[2],
+                   (sms, c) if sk_mode else None, None if outs_given else ((M, N), out_dtype, A.device),
+                   poison, err, held)  # fmt: skip
 
 
 _TMA_PLANS = {}
@@ -1105,27 +1121,40 @@ def _memo_device(A) -> bool:
     return A.is_cuda  # NOTE: tests stand in a CPU tensor here (the launch logic without a GPU)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _settings() -> tuple:
+    """The module settings a launch plan reads (the memo key's part of them)."""
+    sem = epilogue.SCALED_MM_FP8_OUT["cuda"]
+    return (USE_TMA, STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN,
+            AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"), SK_CONFIG.get("fp8"),
+            sem["result_scale"], sem["e5m2_overflow"])  # fmt: skip
+
+
 def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order, flags, epoch, mode,
               timeout_s, err, config, num_sms, kernel, result_scale, tag, poison, guard, stream_k):
-    """The memo key of a call, or None (not memoized)."""
+    """The memo key of a call, or None (not memoized: the full path checks and launches it)."""
+    if (B_scales is not None and (len(B_scales) != 1 or B_scales[0] is None)) or (
+            biases is not None and len(biases) != 1):  # fmt: skip
+        return None  # several, or a None scale (the full path refuses it)
     small = []
-    for t in (A_scale, B_scales[0] if B_scales is not None and len(B_scales) == 1 else B_scales,
-              biases[0] if biases is not None and len(biases) == 1 else biases, result_scale, order, flags, err):
+    for t in (A_scale, B_scales[0] if B_scales is not None else None, biases[0] if biases is not None else None,
+              result_scale, order, flags, err):  # fmt: skip
         if t is None:
             small.append(None)
-        elif t.__class__ is torch.Tensor and t.is_contiguous():
+        elif t.__class__ in _PLAIN and t.is_contiguous():
             small.append((t.data_ptr(), t.shape, t.dtype))
-        else:  # a list of several, a strided scale (copied per call), a tensor subclass: not memoized
+        else:  # a strided scale (copied per call), a tensor subclass, not a tensor: not memoized
             return None
     o = outs[0] if outs is not None else None
-    if A.__class__ is not torch.Tensor or B.__class__ is not torch.Tensor or (
-            o is not None and o.__class__ is not torch.Tensor):  # fmt: skip
+    if A.__class__ not in _PLAIN or B.__class__ not in _PLAIN or (o is not None and o.__class__ not in _PLAIN):
         return None
+    # NOTE: stream_k by its repr (True and 1 mean different splits, 1.0 is refused, and all are ==).
     return (A.data_ptr(), A.shape, A.stride(), A.dtype, A.get_device(), B.data_ptr(), B.shape, B.stride(), B.dtype,
             None if o is None else (o.data_ptr(), o.shape, o.stride(), o.dtype), *small, out_dtype, fast_accum,
-            num_chunks, epoch, mode, timeout_s, config, num_sms, kernel, tag, poison, guard, stream_k,
-            torch.cuda.current_device(), USE_TMA, STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST,
-            SK_MIN_GAIN)  # fmt: skip
+            num_chunks, epoch, mode, timeout_s, config, num_sms, kernel, tag, poison, guard,
+            None if stream_k is None else repr(stream_k), torch.cuda.current_device(), _settings())  # fmt: skip
 
 
 def _memo_launch(m, A, B, outs, err):

@@ -1033,7 +1033,6 @@ def test_cached_launch_plans_give_every_launch_what_a_fresh_plan_gives(monkeypat
     for A, Bs, kw in vs:
         pm._TMA_PLANS.clear()
         pm._DESCS.clear()
-        pm._FP8_OUT.clear()
         fresh.append((seen.__len__(), pm.persistent_matmul(A, Bs, **kw)[0].clone()))
     cold = list(seen)
     seen.clear()
@@ -1266,3 +1265,79 @@ def test_the_launch_memo_steps_aside_for_hooks_strided_scales_and_module_setting
     for _ in range(2):
         pm.persistent_matmul(A8, [B8], A_scale=scale, B_scales=[torch.ones(1)], **kw)
     assert hits == [True, False], "a strided scale is not memoized"
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+def test_the_launch_memo_keeps_every_check_of_the_full_path(fake_launcher):
+    """Values equal in Python but not to persistent_matmul are other keys: stream_k True (the
+    split tail) and 1 (stream-K over one tile) launch their own modes, and arguments the full path
+    refuses (1.0, ('split', True, 2), a None B scale) are refused after an equal valid call too;
+    an unhashable argument gets the full path's answer, not the memo's TypeError."""
+    import numpy as np
+
+    k, hits = fake_launcher
+    A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    sk_at = len(pm._persistent_matmul_tma_kernel.arg_names) - 1 - pm._persistent_matmul_tma_kernel.arg_names[::-1].index("SK_MODE")
+    for sk, mode in ((True, 2), (True, 2), (1, 1), (1, 1), (("split", 1, 2), 2), (("split", 1, 2), 2)):
+        pm.persistent_matmul(A, [B], stream_k=sk, **kw)
+        assert k.calls[-1][_ARGS0 + sk_at] == mode, (sk, k.calls[-1][_ARGS0 + sk_at])
+    assert hits == [True, True, True]
+    for bad in (1.0, ("split", True, 2)):
+        with pytest.raises(ValueError, match="stream_k"):
+            pm.persistent_matmul(A, [B], stream_k=bad, **kw)
+    A8, B8, one = _rnd(48, 64).to(FP8), _rnd(32, 64).to(FP8).t(), torch.ones(1)
+    for _ in range(2):
+        pm.persistent_matmul(A8, [B8], A_scale=one, B_scales=None, **kw)
+    assert hits == [True] * 4
+    with pytest.raises(AttributeError):  # the full path's answer to a None scale
+        pm.persistent_matmul(A8, [B8], A_scale=one, B_scales=[None], **kw)
+    outcome = []
+    for memo in (True, False):
+        pm.MEMO = memo
+        try:
+            pm.persistent_matmul(A, [B], timeout_s=np.array(5.0), **kw)
+            outcome.append("ok")
+        except Exception as e:  # noqa: BLE001 - compared below
+            outcome.append(type(e).__name__)
+        finally:
+            pm.MEMO = True
+    assert outcome[0] == outcome[1], outcome
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+def test_the_launch_memo_holds_only_its_own_defaults_and_serves_parameters(fake_launcher):
+    """An entry holds the defaults it made (order, error record, dummies), never the caller's
+    order or error record; an nn.Parameter weight is served like a plain tensor."""
+    k, hits = fake_launcher
+    A, B = _rnd(48, 64, dtype=torch.float16), torch.nn.Parameter(_rnd(64, 32, dtype=torch.float16))
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    with torch.no_grad():
+        pm.persistent_matmul(A, [B], **kw)
+        (entry,) = pm._MEMO.values()
+        assert entry[-2] is not None and entry[-1][0] is not None  # its own defaults, held
+        pm.persistent_matmul(A, [B], **kw)
+        assert hits == [True]
+        pm._MEMO.clear()
+        order, err = torch.zeros(2, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)
+        pm.persistent_matmul(A, [B], num_chunks=2, order=order, err=err, **kw)
+        (entry,) = pm._MEMO.values()
+        assert entry[-2] is None and entry[-1][0] is None, "the caller's err / order held by the memo"
+
+
+def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
+    """Every module setting a plan reads is part of the memo key."""
+    from mptp_kernels.kernels import epilogue
+
+    base = pm._settings()
+    changes = [(pm, "STREAM_K", "stream"), (pm, "USE_TMA", False), (pm, "SK_SPLIT_COST", 0.5),
+               (pm, "SK_MIN_GAIN", 0.1), (pm, "SK_TILE_EFF", 0.9), (pm, "SK_MIN_FLOPS", 1.0), (pm, "SK_MAX_SPLIT", 4),
+               (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
+               (pm, "SK_CONFIG", {"16bit": pm.Config(128, 128, 64, 8, 4, 4), "fp8": pm.SK_CONFIG["fp8"]}),
+               (epilogue, "SCALED_MM_FP8_OUT", {**epilogue.SCALED_MM_FP8_OUT,
+                                                 "cuda": {"result_scale": "reciprocal", "e5m2_overflow": "saturate"}})]  # fmt: skip
+    for mod, name, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(mod, name, value)
+            assert pm._settings() != base, name
+    assert pm._settings() == base
