@@ -92,6 +92,12 @@ def c_binder_enabled() -> bool:
     return _switch("MPTP_C_BINDER", "1")
 
 
+def launch_memo_enabled() -> bool:
+    """Whether persistent-matmul launches may reuse an earlier launch's bound arguments
+    (kernels/persistent_matmul.py, the launch memo); read at the first launch."""
+    return _switch("MPTP_LAUNCH_MEMO", "1")
+
+
 def reserve_sms() -> int:
     return int(_number("MPTP_RESERVE_SMS", "8", int, _sms_range))
 

@@ -703,6 +703,8 @@ def persistent_matmul(
     """
     global USE_TMA
     memo = None
+    if MEMO is None:
+        _memo_setting()
     if MEMO and scatter_to is None and len(Bs) == 1 and (outs is None or len(outs) == 1) and _memo_device(A):
         memo = _memo_key(A, Bs[0], outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order,
                          flags, epoch, mode, timeout_s, err, config, num_sms, kernel, result_scale, tag, poison,
@@ -1112,9 +1114,20 @@ _TMA_PLANS = {}
 # tensor descriptors (A, B) and a fresh output are made per call; the entry holds no tensor of
 # the caller's. Skipped: a scale or bias that is not contiguous (_flat would copy it per call),
 # a launch hook (profilers), Triton's own launch (FAST off).
-MEMO = True
+MEMO = None  # None: MPTP_LAUNCH_MEMO decides at the first launch (a bad value: on, logged)
 _MEMO = {}
 _TENSOR_SLOTS = (2, 3, 4, 5, 6, 10, 11, 14, 19, 20)  # C, scales, bias, result scale, order, flags, err, split buffers
+
+
+def _memo_setting() -> None:
+    global MEMO
+    from .. import env
+
+    try:
+        MEMO = env.launch_memo_enabled()
+    except ValueError as e:  # the ops check every MPTP_* value before communicating; here: the default
+        env.log_once(("launch_memo_env",), "persistent_matmul: %s; the launch memo stays on", e)
+        MEMO = True
 
 
 def _memo_device(A) -> bool:

@@ -319,7 +319,7 @@ def _run(name: str, *args, **kwargs):
         call = describe(name, args, kwargs, W)
         # A bad MPTP_* value is this rank's error: its peers are told where the call checks
         # agreement (a workspace, or MPTP_CHECK_AGREEMENT=1); elsewhere they time out.
-        env.timeout_s(), env.reserve_sms(), env.ce_copies_enabled(), env.c_binder_enabled()
+        env.timeout_s(), env.reserve_sms(), env.ce_copies_enabled(), env.c_binder_enabled(), env.launch_memo_enabled()
         local_err = None
     except (ValueError, TypeError, IndexError) as e:
         call, local_err = Call(name, error=f"{type(e).__name__}: {e}"), e

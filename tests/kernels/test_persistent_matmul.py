@@ -1341,3 +1341,19 @@ def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
             m.setattr(mod, name, value)
             assert pm._settings() != base, name
     assert pm._settings() == base
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("bogus", True)])
+def test_mptp_launch_memo_switches_the_memo_once(fake_launcher, monkeypatch, value, on):
+    k, hits = fake_launcher
+    monkeypatch.setenv("MPTP_LAUNCH_MEMO", value)
+    monkeypatch.setattr(pm, "MEMO", None)
+    A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    for _ in range(2):
+        pm.persistent_matmul(A, [B], **kw)
+    assert hits == ([True] if on else [])
+    monkeypatch.setenv("MPTP_LAUNCH_MEMO", "1" if value in ("0", "off") else "0")
+    pm.persistent_matmul(A, [B], **kw)
+    assert len(hits) == (2 if on else 0), "read once per process"
