@@ -1138,6 +1138,7 @@ def fake_launcher(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1234, raising=False)
     monkeypatch.setattr(pm, "_memo_device", lambda A: True)
     monkeypatch.setattr(pm, "_TENSOR_SLOTS", ())
+    monkeypatch.setattr(pm, "MEMO", True)
     # The kernel as a JITFunction (the interpreter's stands in otherwise: launched plainly).
     class Jit(triton.runtime.jit.JITFunction):
         def __getitem__(self, grid):  # Triton's own launch (first call of a key, hooks): recorded
@@ -1294,14 +1295,12 @@ def test_the_launch_memo_keeps_every_check_of_the_full_path(fake_launcher):
         pm.persistent_matmul(A8, [B8], A_scale=one, B_scales=[None], **kw)
     outcome = []
     for memo in (True, False):
-        pm.MEMO = memo
+        pm.MEMO = memo  # (the fixture restores it)
         try:
             pm.persistent_matmul(A, [B], timeout_s=np.array(5.0), **kw)
             outcome.append("ok")
         except Exception as e:  # noqa: BLE001 - compared below
             outcome.append(type(e).__name__)
-        finally:
-            pm.MEMO = True
     assert outcome[0] == outcome[1], outcome
 
 
@@ -1344,16 +1343,19 @@ def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
-@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("bogus", True)])
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("bogus", True), (None, False)])
 def test_mptp_launch_memo_switches_the_memo_once(fake_launcher, monkeypatch, value, on):
     k, hits = fake_launcher
-    monkeypatch.setenv("MPTP_LAUNCH_MEMO", value)
+    if value is None:  # the default
+        monkeypatch.delenv("MPTP_LAUNCH_MEMO", raising=False)
+    else:
+        monkeypatch.setenv("MPTP_LAUNCH_MEMO", value)
     monkeypatch.setattr(pm, "MEMO", None)
     A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
     kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
     for _ in range(2):
         pm.persistent_matmul(A, [B], **kw)
     assert hits == ([True] if on else [])
-    monkeypatch.setenv("MPTP_LAUNCH_MEMO", "1" if value in ("0", "off") else "0")
+    monkeypatch.setenv("MPTP_LAUNCH_MEMO", "0" if on else "1")
     pm.persistent_matmul(A, [B], **kw)
     assert len(hits) == (2 if on else 0), "read once per process"
