@@ -1359,3 +1359,59 @@ def test_mptp_launch_memo_switches_the_memo_once(fake_launcher, monkeypatch, val
     monkeypatch.setenv("MPTP_LAUNCH_MEMO", "0" if on else "1")
     pm.persistent_matmul(A, [B], **kw)
     assert len(hits) == (2 if on else 0), "read once per process"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: the launch memo's direct launches")
+@pytest.mark.parametrize("kind", ["bf16_split", "bf16_small_n", "fp8_row", "consumer", "given_out"])
+def test_the_launch_memo_on_a_gpu(monkeypatch, kind):
+    """Repeated launches of the same tensors, refilled in place between calls (the memo's hits:
+    same addresses, new contents), and a copy at other addresses between them: every result
+    against cuBLAS, poisoned outputs, and the memo really served the repeats."""
+    monkeypatch.setattr(pm, "MEMO", True)
+    hits = []
+    real = pm._memo_launch
+    monkeypatch.setattr(pm, "_memo_launch", lambda *a: hits.append(real(*a)) or hits[-1])
+    M, N, K = {"bf16_split": (4096, 1280, 8192), "bf16_small_n": (8192, 768, 4096), "fp8_row": (4096, 1280, 8192),
+               "consumer": (4096, 1280, 4096), "given_out": (2048, 3584, 4096)}[kind]  # fmt: skip
+    fp8 = kind == "fp8_row"
+    A = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
+    B = torch.empty(N, K, device=DEV, dtype=torch.bfloat16).t()
+    sa, sb = torch.empty(M, 1, device=DEV), torch.empty(1, N, device=DEV)
+    W = 8
+    flags = torch.ones(W, dtype=torch.int32, device=DEV)
+    order = torch.tensor([(3 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+    out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+
+    A8 = torch.empty(M, K, device=DEV, dtype=FP8)
+    B8 = torch.empty(N, K, device=DEV, dtype=FP8).t()  # K-major, as _scaled_mm takes it
+
+    def call(A, B):
+        kw = {}
+        if fp8:  # refilled in place too (the same addresses)
+            kw = dict(A_scale=sa, B_scales=[sb], out_dtype=torch.bfloat16)
+            a8, b8 = (A8, B8) if A.data_ptr() == A0 else (torch.empty_like(A8), torch.empty_like(B8.t()).t())
+            a8.copy_(A)
+            b8.copy_(B)
+            A, B = a8, b8
+        if kind == "consumer":
+            kw.update(num_chunks=W, order=order, flags=flags, mode=pm.MODE_CONSUMER)
+        if kind == "given_out":
+            out.fill_(float("nan"))
+            kw["outs"] = [out]
+        (C,) = pm.persistent_matmul(A, [B], **kw)
+        return C
+
+    A0 = A.data_ptr()
+    for it in range(4):
+        A.normal_()
+        B.normal_().mul_(K**-0.5)
+        sa.uniform_(0.5, 1.5)
+        sb.uniform_(0.5, 1.5)
+        if fp8:
+            ref = (A.to(FP8).float() @ B.to(FP8).float()) * sa * sb
+        else:
+            ref = A.float() @ B.float()
+        C = call(A, B) if it != 2 else call(A.clone(), B.t().contiguous().t())  # a copy at other addresses
+        err = ((C.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (kind, it, err)
+    assert sum(h is not None for h in hits) >= 2, f"the memo served {hits}"
