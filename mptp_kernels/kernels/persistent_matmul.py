@@ -705,7 +705,8 @@ def persistent_matmul(
     memo = None
     if MEMO is None:
         _memo_setting()
-    if MEMO and scatter_to is None and len(Bs) == 1 and (outs is None or len(outs) == 1) and _memo_device(A):
+    if (MEMO and kernel != "pointer" and scatter_to is None and len(Bs) == 1 and (outs is None or len(outs) == 1)
+            and _memo_device(A)):  # fmt: skip
         memo = _memo_key(A, Bs[0], outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order,
                          flags, epoch, mode, timeout_s, err, config, num_sms, kernel, result_scale, tag, poison,
                          guard, stream_k)  # fmt: skip
@@ -991,34 +992,32 @@ _DESCS = {}
 
 
 def _template(t, b0, b1, transposed):
-    """The template _descriptor clones for t's layout."""
+    """The fields of TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]) with no
+    base, per shape, strides, dtype and block: its checks (shape, 16-byte strides, block) run
+    once, when it is made; the base's 16-byte alignment is _tma_ok's. NOTE: a template holds no
+    tensor (a cached A_full would keep its memory from the next call's)."""
     key = (t.shape, t.stride(), t.dtype, b0, b1, transposed)
     tpl = _DESCS.get(key)
-    if tpl is None:  # NOTE: made here, not looked up again (another thread may clear _DESCS)
+    if tpl is None:  # NOTE: returned as made, not looked up again (another thread may clear _DESCS)
         tpl = dict(TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]).__dict__)
-        tpl["base"] = None
-    return tpl
-
-
-def _descriptor(t, b0, b1, transposed):
-    """TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]), from a template per
-    shape, strides, dtype and block: its checks (shape, 16-byte strides, block) ran once, when
-    it was made; the base's 16-byte alignment is _tma_ok's. NOTE: a template holds no tensor
-    (a cached A_full would keep its memory from the next call's); a descriptor its own base."""
-    key = (t.shape, t.stride(), t.dtype, b0, b1, transposed)
-    tpl = _DESCS.get(key)
-    if tpl is None:
-        d = TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1])
-        tpl = dict(d.__dict__)
         tpl["base"] = None
         if len(_DESCS) >= 256:
             _DESCS.clear()
         _DESCS[key] = tpl
-        return d
+    return tpl
+
+
+def _clone(tpl, base):
+    """A descriptor with a template's fields over base."""
     d = _new(TensorDescriptor)
     d.__dict__.update(tpl)
-    d.base = t.t() if transposed else t
+    d.base = base
     return d
+
+
+def _descriptor(t, b0, b1, transposed):
+    """TensorDescriptor.from_tensor(t.t() if transposed else t, [b0, b1]), from its template."""
+    return _clone(_template(t, b0, b1, transposed), t.t() if transposed else t)
 
 
 _new = object.__new__
@@ -1042,7 +1041,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, None if stream_k is None else repr(stream_k), mode,
            a_mode, b_mode, has_bias,
            fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
-           STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN)  # fmt: skip
+           _sk_settings())  # fmt: skip
     plan = _TMA_PLANS.get(key)
     if plan is None:
         c, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
@@ -1137,12 +1136,16 @@ def _memo_device(A) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _sk_settings() -> tuple:
+    """The module settings _sk_plan reads (part of the plan's key and the memo's)."""
+    return STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN
+
+
 def _settings() -> tuple:
-    """The module settings a launch plan reads (the memo key's part of them)."""
+    """The module settings a call's launch depends on (the memo key's part of them)."""
     sem = epilogue.SCALED_MM_FP8_OUT["cuda"]
-    return (USE_TMA, STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN,
-            AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"), SK_CONFIG.get("fp8"),
-            sem["result_scale"], sem["e5m2_overflow"])  # fmt: skip
+    return (USE_TMA, _sk_settings(), AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"),
+            SK_CONFIG.get("fp8"), sem["result_scale"], sem["e5m2_overflow"])  # fmt: skip
 
 
 def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order, flags, epoch, mode,
@@ -1183,11 +1186,7 @@ def _memo_launch(m, A, B, outs, err):
             return None
     call = list(call)
     # The descriptors from the templates of the key's layouts (the same shapes and strides).
-    a_desc, b_desc = _new(TensorDescriptor), _new(TensorDescriptor)
-    a_desc.__dict__.update(atpl)
-    b_desc.__dict__.update(btpl)
-    a_desc.base, b_desc.base = A, (B.t() if bt else B)
-    call[0], call[1], call[2] = a_desc, b_desc, C.data_ptr()
+    call[0], call[1], call[2] = _clone(atpl, A), _clone(btpl, B.t() if bt else B), C.data_ptr()
     if sk is not None:
         pieces, sync = _sk_buffers(A.device, sk[0], sk[1])
         call[19], call[20] = pieces.data_ptr(), sync.data_ptr()

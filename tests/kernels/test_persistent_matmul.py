@@ -1097,33 +1097,18 @@ def test_descriptors_from_templates_equal_fresh_ones_and_hold_no_tensor(transpos
     assert ref() is None
 
 
-class _FakeCompiled:
-    """Stands in for a compiled kernel: records what its launcher is given."""
-
-    packed_metadata = "meta"
-    function = "fn"
-
-    def __init__(self):
-        self.calls = []
-
-    def run(self, *a):
-        self.calls.append(a)
-
-
 @pytest.fixture
 def fake_launcher(monkeypatch):
     """The launch logic without a GPU: every launch is direct, to a recording stand-in kernel, and
     the launch memo takes CPU tensors (which reach the launcher as tensors, not addresses)."""
+    from kernels.test_launch import _FakeCompiled
     from mptp_kernels.kernels import launch as L
 
     k = _FakeCompiled()  # every launch's record; a kernel per key (its specialization) stands in below
 
     class PerKey(_FakeCompiled):
         def __init__(self, n):
-            self.n = n
-
-        def run(self, *a):
-            k.calls.append(a[:4] + (("kernel", self.n),) + a[5:])
+            self.run = lambda *a: k.calls.append(a[:4] + (("kernel", n),) + a[5:])
 
     class Always(dict):
         def get(self, key, default=None):
