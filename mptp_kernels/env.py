@@ -95,7 +95,7 @@ def c_binder_enabled() -> bool:
 def launch_memo_enabled() -> bool:
     """Whether persistent-matmul launches may reuse an earlier launch's bound arguments
     (kernels/persistent_matmul.py, the launch memo); read at the first launch."""
-    return _switch("MPTP_LAUNCH_MEMO", "0")
+    return _switch("MPTP_LAUNCH_MEMO", "1")
 
 
 def reserve_sms() -> int:

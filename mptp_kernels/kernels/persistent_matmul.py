@@ -1113,7 +1113,7 @@ _TMA_PLANS = {}
 # tensor descriptors (A, B) and a fresh output are made per call; the entry holds no tensor of
 # the caller's. Skipped: a scale or bias that is not contiguous (_flat would copy it per call),
 # a launch hook (profilers), Triton's own launch (FAST off).
-MEMO = None  # None: MPTP_LAUNCH_MEMO decides at the first launch (a bad value: the default, off; logged)
+MEMO = None  # None: MPTP_LAUNCH_MEMO decides at the first launch (default on; a bad value: off, logged)
 _MEMO = {}
 _TENSOR_SLOTS = (2, 3, 4, 5, 6, 10, 11, 14, 19, 20)  # C, scales, bias, result scale, order, flags, err, split buffers
 
@@ -1124,7 +1124,7 @@ def _memo_setting() -> None:
 
     try:
         MEMO = env.launch_memo_enabled()
-    except ValueError as e:  # the ops check every MPTP_* value before communicating; here: the default
+    except ValueError as e:  # the ops check every MPTP_* value before communicating; here: off (the safe side)
         env.log_once(("launch_memo_env",), "persistent_matmul: %s; the launch memo stays off", e)
         MEMO = False
 
