@@ -1096,7 +1096,7 @@ def _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B):
         return
     call[0] = call[1] = None  # the descriptors are made per call (they hold A and B)
     atpl, btpl = _template(A, *adesc), _template(B, *bdesc)
-    if len(_MEMO) >= 256:
+    if len(_MEMO) >= MEMO_ENTRIES:
         _MEMO.clear()
     _MEMO[mkey] = (kernel, grid3, tuple(call), cvals, device_index, atpl, btpl, bdesc[2],
                    (sms, c) if sk_mode else None, None if outs_given else ((M, N), out_dtype, A.device),
@@ -1115,6 +1115,10 @@ _TMA_PLANS = {}
 # a launch hook (profilers), Triton's own launch (FAST off).
 MEMO = None  # None: MPTP_LAUNCH_MEMO decides at the first launch (default on; a bad value: off, logged)
 _MEMO = {}
+# Entries hold no tensor (a few hundred bytes each); a model's step cycles through its calls'
+# keys, so the cap must exceed a step's distinct calls (cleared when full: a longer cycle
+# would get no hits at all).
+MEMO_ENTRIES = 8192
 _TENSOR_SLOTS = (2, 3, 4, 5, 6, 10, 11, 14, 19, 20)  # C, scales, bias, result scale, order, flags, err, split buffers
 
 
@@ -1134,6 +1138,7 @@ def _memo_device(A) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (int, float, bool)
 
 
 def _sk_settings() -> tuple:
@@ -1145,7 +1150,7 @@ def _settings() -> tuple:
     """The module settings a call's launch depends on (the memo key's part of them)."""
     sem = epilogue.SCALED_MM_FP8_OUT["cuda"]
     return (USE_TMA, _sk_settings(), AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"),
-            SK_CONFIG.get("fp8"), sem["result_scale"], sem["e5m2_overflow"])  # fmt: skip
+            SK_CONFIG.get("fp8"), sem.get("result_scale"), sem.get("e5m2_overflow"))  # fmt: skip
 
 
 def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order, flags, epoch, mode,
@@ -1163,6 +1168,13 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
             small.append((t.data_ptr(), t.shape, t.dtype))
         else:  # a strided scale (copied per call), a tensor subclass, not a tensor: not memoized
             return None
+    if outs is not None and outs[0] is None:
+        return None  # the full path says what is wrong with it
+    # NOTE: scalars by type too: 1, 1.0 and True are == but bind differently (Triton specializes
+    # on the type), and a value of another type (a tensor, a Decimal) is left to the full path.
+    scalars = (epoch, tag, timeout_s, num_chunks, fast_accum, guard, poison, mode, num_sms)
+    if not all(x is None or x.__class__ in _SCALARS for x in scalars):
+        return None
     o = outs[0] if outs is not None else None
     if A.__class__ not in _PLAIN or B.__class__ not in _PLAIN or (o is not None and o.__class__ not in _PLAIN):
         return None
@@ -1170,7 +1182,8 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
     return (A.data_ptr(), A.shape, A.stride(), A.dtype, A.get_device(), B.data_ptr(), B.shape, B.stride(), B.dtype,
             None if o is None else (o.data_ptr(), o.shape, o.stride(), o.dtype), *small, out_dtype, fast_accum,
             num_chunks, epoch, mode, timeout_s, config, num_sms, kernel, tag, poison, guard,
-            None if stream_k is None else repr(stream_k), torch.cuda.current_device(), _settings())  # fmt: skip
+            None if stream_k is None else repr(stream_k), torch.cuda.current_device(), _settings(),
+            tuple(x.__class__ for x in scalars))  # fmt: skip
 
 
 def _memo_launch(m, A, B, outs, err):

@@ -1291,6 +1291,61 @@ def test_the_launch_memo_keeps_every_check_of_the_full_path(fake_launcher):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+def test_the_launch_memo_tells_scalar_types_apart_and_leaves_odd_values_to_the_full_path(fake_launcher, monkeypatch):
+    """1, 1.0 and True are == but bind differently (Triton specializes on the type): each type
+    is its own key, and what the launcher gets is what the full path gives it. A timeout given
+    as a tensor (mutable: an entry would go stale) or a Decimal, and outs=[None], are never
+    served by the memo; an FP8 output table without some entries does not break plain calls;
+    the memo is cleared only at MEMO_ENTRIES."""
+    import decimal
+
+    k, hits = fake_launcher
+    A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    seen = {}
+    for name, values in (("epoch", (1, 1.0, True)), ("tag", (7, 7.0)), ("timeout_s", (5, 5.0))):
+        for v in values:
+            for _ in range(2):
+                n = len(hits)
+                pm.persistent_matmul(A, [B], **{name: v}, **kw)
+            assert hits[n:] == [True], (name, v)  # the repeat of each type, and only it, was served
+            seen[(name, v.__class__)] = k.calls[-1]
+            # the full path's launch for this value: the memo hands the launcher the same
+            pm.MEMO = False
+            pm.persistent_matmul(A, [B], **{name: v}, **kw)
+            pm.MEMO = True
+            typed = [[(x.__class__, x) for x in _shown(c, {2, 19, 20})] for c in (k.calls[-1], seen[(name, v.__class__)])]
+            assert typed[0] == typed[1], (name, v)
+    for odd in (torch.tensor(5.0), decimal.Decimal(5)):
+        n = len(hits)
+        outcome = []
+        for memo in (True, True, False):
+            pm.MEMO = memo
+            try:
+                pm.persistent_matmul(A, [B], timeout_s=odd, **kw)
+                outcome.append("ok")
+            except Exception as e:  # noqa: BLE001 - compared below
+                outcome.append(type(e).__name__)
+        pm.MEMO = True
+        assert len(set(outcome)) == 1 and hits[n:] == [], (odd, outcome, hits[n:])
+    pm.persistent_matmul(A, [B], **kw)
+    with pytest.raises(AttributeError):  # the full path's answer to outs=[None]
+        pm.persistent_matmul(A, [B], outs=[None], **kw)
+    from mptp_kernels.kernels import epilogue
+
+    monkeypatch.setitem(epilogue.SCALED_MM_FP8_OUT, "cuda", {"result_scale": "multiply"})
+    for _ in range(2):
+        pm.persistent_matmul(A, [B], **kw)  # no FP8 output: the table's missing entry is not read
+    monkeypatch.setattr(pm, "MEMO_ENTRIES", 3)
+    pm._MEMO.clear()
+    for i in range(3):
+        pm.persistent_matmul(A, [B], tag=100 + i, **kw)
+    assert len(pm._MEMO) == 3
+    pm.persistent_matmul(A, [B], tag=200, **kw)
+    assert len(pm._MEMO) == 1, "cleared when full, then the new entry"
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
 def test_the_launch_memo_holds_only_its_own_defaults_and_serves_parameters(fake_launcher):
     """An entry holds the defaults it made (order, error record, dummies), never the caller's
     order or error record; an nn.Parameter weight is served like a plain tensor."""
