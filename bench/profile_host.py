@@ -4,7 +4,8 @@
 
 Small matmuls are launch-bound in eager mode: this prints, for each piece of
 the fused path and for cuBLAS, the host time per call measured back-to-back
-without synchronising, then a cProfile of the heaviest callables.
+without synchronising (its rows also appended to results/profile_host.csv, or
+$MPTP_RESULTS_DIR/profile_host.csv), then a cProfile of the heaviest callables.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_persistent_matmul import make  # noqa: E402
+from common import append_rows, env_columns  # noqa: E402
 
 from mptp_kernels.kernels import launch as L  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
@@ -216,11 +218,21 @@ def main():
                 res[name].append(host_stats(fn, a.calls))
             except Exception as e:  # noqa: BLE001
                 res[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    rows = []
     for name, r in res.items():
         if isinstance(r, str):
             print(f"  {name:52s} {r}")
             continue
-        print(f"  {name:52s} " + " ".join(f"{statistics.median(x[i] for x in r):8.1f}" for i in range(3)), flush=True)
+        stats = [statistics.median(x[i] for x in r) for i in range(3)]
+        print(f"  {name:52s} " + " ".join(f"{v:8.1f}" for v in stats), flush=True)
+        rows.append({"M": M, "N": N, "K": K, "row": name, "mean_us": round(stats[0], 1),
+                     "median_us": round(stats[1], 1), "min_us": round(stats[2], 1)})  # fmt: skip
+    try:  # the rows above are printed already: a failure here loses only the CSV
+        env = env_columns()
+        if rows:
+            print(f"rows appended to {append_rows('profile_host.csv', [{**env, **r} for r in rows])}")
+    except Exception as e:  # noqa: BLE001
+        print(f"CSV not written: {type(e).__name__}: {e}")
     for name in ("persistent_matmul bf16 auto", "persistent_matmul fp8 row pointer", "op fused_all_gather_matmul W=1"):
         if name in fns:
             print(f"\n=== cProfile: {name} ===")
