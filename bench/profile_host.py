@@ -178,7 +178,7 @@ def main():
     order = torch.arange(W, dtype=torch.int32, device="cuda")
     fns["persistent_matmul bf16 consumer"] = lambda: pm.persistent_matmul(
         A, [B], outs=out, num_chunks=W, order=order, flags=flags, epoch=1, mode=pm.MODE_CONSUMER)  # fmt: skip
-    fns["persistent_matmul bf16 consumer, launch memo"] = memo(fns["persistent_matmul bf16 consumer"], True)
+    fns["persistent_matmul bf16 consumer, no launch memo"] = memo(fns["persistent_matmul bf16 consumer"], False)
     rows = M // W
     peers = [A[i * rows : (i + 1) * rows].clone() for i in range(W)]
     A_full = torch.empty_like(A)
@@ -202,7 +202,7 @@ def main():
         mptp_kernels.enable_symm_mem_for_group(g)
         os.environ["MPTP_FORCE_FUSED"] = "1"
         fns["op fused_all_gather_matmul W=1"] = lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)
-        fns["op fused_all_gather_matmul W=1, launch memo"] = memo(fns["op fused_all_gather_matmul W=1"], True)
+        fns["op fused_all_gather_matmul W=1, no launch memo"] = memo(fns["op fused_all_gather_matmul W=1"], False)
         fns["op fused_scaled_matmul_reduce_scatter W=1"] = lambda: torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
             A8, B8, sa, sb, "sum", 0, 0, g, [M, N], out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the op rows are optional
