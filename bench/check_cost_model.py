@@ -6,6 +6,10 @@ replayed from a CUDA graph, next to the model's estimate of each; the line says 
 model picks, which one was faster, and what the pick cost against the faster one (regret).
 
     python bench/check_cost_model.py [--ops ag,rs] [--kinds bf16,fp8_row] [--Ms 8192] [--world-size 8]
+                                     [--plans]
+
+--plans also times the fused path with the persistent kernel's launch plan off (whole tiles of
+the default config, persistent_matmul.STREAM_K = None): provider fused_whole_tiles.
 
 Rows go to bench/results/cost_model.csv (providers fused / reference, with '@graph'; columns
 model_fused_us / model_reference_us for eager and capture, pick).
@@ -24,6 +28,7 @@ import bench_matmul_reduce_scatter as rs_bench  # noqa: E402
 from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, with_graphs  # noqa: E402
 from profile_loopback import PATHS as _PATHS  # noqa: E402
 
+from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.ops import cost, dispatch  # noqa: E402
 from mptp_kernels.symm import primitives as P  # noqa: E402
 from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
@@ -50,6 +55,20 @@ def _on_path(fn, path):
     return run
 
 
+def _whole_tiles(fn):
+    """fn with the launch plan off (whole tiles of the default config; the plan's cache keys on
+    STREAM_K, so each setting has its own plans)."""
+
+    def run():
+        old, pm.STREAM_K = pm.STREAM_K, None
+        try:
+            return fn()
+        finally:
+            pm.STREAM_K = old
+
+    return run
+
+
 def _case(op, group_name, W, M, N, K, kind):
     """(op call, cost.Work) of one case, as the benches make the call."""
     if op == "ag":
@@ -69,6 +88,7 @@ def main():
     p.add_argument("--kinds", default="bf16,fp8_row", help="all-gather only; reduce-scatter runs bf16")
     p.add_argument("--Ms", default="8192")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--plans", action="store_true", help="also time the fused path with whole default tiles")
     a = p.parse_args()
     W = a.world_size
     group_name = init_loopback_group(W)
@@ -83,7 +103,10 @@ def main():
         _on_path(fn, "fused")()  # creates the workspace at its size
         mirror_loopback_buffers(group_name)
         ws = P.lookup(group_name, dev)
-        fns = with_graphs({path: _on_path(fn, path) for path in PATHS})
+        paths = {path: _on_path(fn, path) for path in PATHS}
+        if a.plans:
+            paths["fused_whole_tiles"] = _whole_tiles(paths["fused"])
+        fns = with_graphs(paths)
         t = {name: bench_us(f) for name, f in fns.items()}
         est = {}
         for capturing, sfx in ((False, ""), (True, "@graph")):
@@ -103,6 +126,8 @@ def main():
             picks.append(regret)
             line += (f" | {sfx or '@eager'}: fused {mf:7.1f}us (model {fu:7.1f}) reference {mr:7.1f}us "
                      f"(model {re:7.1f}) pick {pick}{'' if pick == best else ' WRONG'} regret {regret:4.1f}%")  # fmt: skip
+            if f"fused_whole_tiles{sfx}" in t:
+                line += f" whole tiles {t[f'fused_whole_tiles{sfx}']:7.1f}us"
             row_extra[f"model_fused_us{sfx}"] = round(fu, 1)
             row_extra[f"model_reference_us{sfx}"] = round(re, 1)
             row_extra[f"pick{sfx}"] = pick
