@@ -784,6 +784,8 @@ def persistent_matmul(
         sk_config = None
         if (stream_k is None or type(stream_k) is str) and config is None and not _interpreting():
             sk_config = SK_CONFIG.get("fp8" if fp8 else "16bit")
+            if stream_k is None and fp8 and mode == MODE_CONSUMER and not SK_FP8_CONSUMER:
+                sk_config = None  # whole tiles of the default config (see SK_FP8_CONSUMER)
         args = (A, Bs[0], outs[0], cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale,
                 B_scales, biases if has_bias else None, a_mode, b_mode, fast_accum, kernel == "tma_flat",
                 result_scale if result_scale is not None else dummy_f, tag, fp8_out, guard, stream_k, sk_config)
@@ -873,6 +875,13 @@ SK_TILE_EFF = 0.81
 SK_SPLIT_COST = 0.35
 SK_MIN_GAIN = 0.03
 SK_MAX_SPLIT = 8
+# "auto" for an FP8 consumer (MODE_CONSUMER): False takes whole tiles of the default config, no
+# plan. Measured on an H100 (W = 8 loopback, M = 8192, from CUDA graphs, both in one run of
+# bench/check_cost_model.py --plans, bench/results/h100_cost_model_plans_9134f4e.txt): the plan's large
+# whole tiles made the FP8 row-wise consumer 19% slower at N = 1280 and 34% at N = 768 (242 ->
+# 288 us, 114 -> 153 us), 4% at N = 4096, and gained nowhere (within 1% on the other three
+# shapes); the bf16 consumer gained with it (N = 1280: 448 -> 349 us).
+SK_FP8_CONSUMER = False
 # "auto" splits only calls of at least this many FLOPs (~15 us of H200 tensor-core time): below it
 # the split's few microseconds of fixed cost (tickets, pieces, the wait) are not worth a wave.
 SK_MIN_FLOPS = 1e10
@@ -1143,7 +1152,7 @@ _SCALARS = (int, float, bool)
 
 def _sk_settings() -> tuple:
     """The module settings _sk_plan reads (part of the plan's key and the memo's)."""
-    return STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN
+    return STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN, SK_FP8_CONSUMER
 
 
 def _settings() -> tuple:

@@ -1054,6 +1054,37 @@ def test_cached_launch_plans_give_every_launch_what_a_fresh_plan_gives(monkeypat
         assert torch.equal(C.float().nan_to_num(), fresh[i][1].float().nan_to_num()), i
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "consumer"])
+@pytest.mark.parametrize("fp8_consumer", [False, True])
+def test_an_fp8_consumer_takes_whole_default_tiles_unless_asked(monkeypatch, fp8, mode, fp8_consumer):
+    """The default plan ("auto", no config) weighs the large-tile candidate for every call but an
+    FP8 consumer's while SK_FP8_CONSUMER is False (measured slower there); an explicit stream_k
+    still asks for a split. Checked on what _launch_tma is handed (no launch)."""
+    got = []
+
+    def spy(*args, **kw):
+        got.append(args[-1])  # sk_config
+        return [args[2]]
+
+    monkeypatch.setattr(pm, "_launch_tma", spy)
+    monkeypatch.setattr(pm, "_interpreting", lambda: False)
+    monkeypatch.setattr(pm, "SK_FP8_CONSUMER", fp8_consumer)
+    W, M, K, N = 2, 512, 256, 384
+    if fp8:
+        A, B = _rnd(M, K).to(FP8), _rnd(N, K).to(FP8).t()
+        kw = dict(A_scale=torch.ones(1), B_scales=[torch.ones(1)], out_dtype=torch.bfloat16)
+    else:
+        A, B, kw = _rnd(M, K, dtype=torch.float16), _rnd(K, N, dtype=torch.float16), {}
+    if mode == "consumer":
+        kw.update(num_chunks=W, flags=torch.ones(W, dtype=torch.int32), epoch=1, mode=pm.MODE_CONSUMER)
+    for stream_k in (None, "split"):
+        pm.persistent_matmul(A, [B], kernel="tma", stream_k=stream_k, **kw)
+    large = pm.SK_CONFIG["fp8" if fp8 else "16bit"]
+    whole = fp8 and mode == "consumer" and not fp8_consumer
+    assert got == [None if whole else large, large], got
+
+
 @pytest.mark.skipif(CUDA, reason="CPU check of the host caches")
 def test_the_plan_follows_stream_k_set_between_launches(monkeypatch, sk_buffers):
     """STREAM_K (the module's default mode) changed between two launches of one shape changes
@@ -1374,7 +1405,7 @@ def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
     base = pm._settings()
     changes = [(pm, "STREAM_K", "stream"), (pm, "USE_TMA", False), (pm, "SK_SPLIT_COST", 0.5),
                (pm, "SK_MIN_GAIN", 0.1), (pm, "SK_TILE_EFF", 0.9), (pm, "SK_MIN_FLOPS", 1.0), (pm, "SK_MAX_SPLIT", 4),
-               (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
+               (pm, "SK_FP8_CONSUMER", True), (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
                (pm, "SK_CONFIG", {"16bit": pm.Config(128, 128, 64, 8, 4, 4), "fp8": pm.SK_CONFIG["fp8"]}),
                (epilogue, "SCALED_MM_FP8_OUT", {**epilogue.SCALED_MM_FP8_OUT,
                                                  "cuda": {"result_scale": "reciprocal", "e5m2_overflow": "saturate"}})]  # fmt: skip
