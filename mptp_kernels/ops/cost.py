@@ -5,6 +5,7 @@ launches ahead of the GPU, so whichever is longer sets the pace of a run of call
 CUDA-graph capture the host time is not replayed: only GPU time counts.
 
     GPU, fused all-gather:      max(matmul / (eff * free SMs), comm + last chunk's matmul)
+                                (eff: FUSED_EFF, times SMALL_N_EFF where N <= SMALL_N)
                                 (a GPU shared by the ranks: matmul / (eff * free SMs) + comm)
     GPU, unfused all-gather:    comm + matmul
     GPU, fused reduce-scatter:  matmul / (eff * free SMs) + exposed comm + reduction
@@ -15,10 +16,11 @@ CUDA-graph capture the host time is not replayed: only GPU time counts.
 The constants are measurements. Matmul rates (bench/results/h200_record_74ef7b1.log, H200,
 torch 2.11): cuBLAS ran 688-737 TFLOP/s in bf16 and 1257-1358 in FP8 over the six Llama-3 TP-8
 shapes (per SM: 5.4e12 and 10.1e12 FLOP/s); the device-local chunk copies moved 1.5-1.6 TB/s.
-Host times and the shared-GPU behaviour: bench/results/h100_cost_model_7f43c97.csv (H100, W = 8
-loopback, M = 8192, both paths forced and timed in one run) and the per-stage host profiles
-beside it (W = 2 and 8). tests/ops/test_cost.py holds the model's picks on that run to at most
-10% (CUDA graphs) and 30% (eager) slower than the faster path.
+Host times, fixed costs and the shared-GPU behaviour: bench/results/h100_cost_model_47c8526.csv
+and h100_cost_model_plans_9134f4e.csv (H100, W = 8 loopback, M = 8192, both paths forced and
+timed in one run, twice) and the per-stage host profiles of 7f43c97 (W = 2 and 8).
+tests/ops/test_cost.py holds the model's picks on those runs and two earlier ones to at most 10%
+(CUDA graphs) and 30% (eager) slower than the faster path.
 Other GPUs scale the per-SM rate by their compute capability (RATE_SCALE). Nothing here is
 measured between GPUs (no machine with several GPUs was lent): the NVLink terms (BW_PEER and
 the overlap of transfers with the matmul) are the design's expectation, not a measurement.
@@ -45,8 +47,12 @@ RATE_SCALE = {
     (10, 3): 2.0,
     (12, 0): 0.5,
 }
-# The persistent consumer / producer against cuBLAS on the same shape (0.93-0.97 measured).
-FUSED_EFF = 0.95
+# The persistent consumer / producer against cuBLAS on the same shape (fitted on the H100 loopback
+# runs below: 1.035-1.09 x the matmul with 8 of 132 SMs left free, i.e. 0.97-1.03 per SM).
+FUSED_EFF = 0.97
+# ... times this where N <= SMALL_N: the persistent kernel ran 0.83-0.87x cuBLAS at N = 768 from
+# CUDA graphs (results/h200_persistent_matmul_5333caf.csv, M = 8192, bf16 and FP8).
+SMALL_N, SMALL_N_EFF = 1024, 0.87
 # Bytes per second a rank receives: a device-local copy (peers sharing the GPU), a peer GPU.
 BW_SAME_DEVICE = 1.5e12
 BW_PEER = 350e9
@@ -54,19 +60,24 @@ BW_PEER = 350e9
 BW_MEMORY = 3.0e12
 # Host microseconds per call, eager: base + per_peer * (W - 1), times the FP8 factor for FP8 calls
 # (the scaled ops' extra launches, and on the reference path the row-wise scales' own gather).
-# Measured on the H100 host after the raw-address rewrite of the fused path (7f43c97): the
-# host-bound eager rows of results/h100_cost_model_7f43c97.csv at W = 8, and the W = 2 / W = 8
-# ratio of results/h100_profile_stages*_7f43c97.txt for the per-peer part. The host is the CPU
-# of the GPU machine: other hosts differ (the same calls ran 1.4-2x slower on an earlier one).
-HOST_FUSED = {"ag": (293.0, 21.0), "rs": (266.0, 9.0)}
-HOST_REFERENCE_SYMM = {"ag": (162.0, 37.5), "rs": (247.0, 19.0)}
+# Measured on the H100 host of 47c8526 (launch memo on): the host-bound eager rows (N = 768 and
+# 4096) of results/h100_cost_model_47c8526.csv at W = 8; the split into base and per-peer parts
+# keeps the W = 2 / W = 8 ratio of results/h100_profile_stages*_7f43c97.txt. The host is the CPU
+# of the GPU machine: other hosts differ (the same calls ran 1.4-2x slower on some), but both
+# paths scale alike, and the pick follows their ratio (fused / reference at W = 8: all-gather
+# 1.31 in bf16, 1.04 in FP8; reduce-scatter 0.98).
+HOST_FUSED = {"ag": (228.0, 16.5), "rs": (202.0, 7.0)}
+HOST_REFERENCE_SYMM = {"ag": (101.0, 23.4), "rs": (166.0, 12.7)}
 HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
-HOST_FP8 = {"fused": 1.37, "reference": 1.58}
-# Fixed GPU time of a call beyond its matmul and transfers, us: fused (signals, flag reset, the
-# poison checks); reference (signals, the layout copies; FP8: the scales' gather and casts),
-# measured from CUDA graphs as the op's time less copies + cuBLAS of the same run.
-FUSED_FIXED_US = 8.0
-REFERENCE_FIXED_US = {False: 15.0, True: 37.0}
+HOST_FP8 = {"fused": 1.41, "reference": 1.77}
+# Fixed GPU time of a call beyond its matmul and transfers, us, per op and FP8 or not: fused
+# (signals, flag reset, the chunk copies' own launches, the poison checks); reference (signals,
+# the layout copies; FP8: the scales' gather and casts). Fitted from CUDA graphs on the two H100
+# loopback runs (W = 8, M = 8192, six shapes each: results/h100_cost_model_47c8526.csv and
+# h100_cost_model_plans_9134f4e.csv, the median of each op's residuals). The FP8 reduce-scatter
+# was not measured: its A is local (no scale gather), so it takes the bf16 values.
+FUSED_FIXED_US = {"ag": {False: 25.0, True: 44.0}, "rs": {False: 0.0, True: 0.0}}
+REFERENCE_FIXED_US = {"ag": {False: 32.0, True: 59.0}, "rs": {False: 16.0, True: 16.0}}
 
 
 @dataclass(frozen=True)
@@ -112,18 +123,20 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
     W = link.W
     matmul = 2.0 * work.M * work.N * work.K / _rate(work, link) * 1e6
     free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1)
-    fused_mm = matmul / (FUSED_EFF * free)
+    fused_mm = matmul / (FUSED_EFF * (SMALL_N_EFF if work.N <= SMALL_N else 1.0) * free)
     bw = BW_SAME_DEVICE if link.shares_device else BW_PEER
+    # NOTE: one rank: the reference is a plain matmul (no collective, no layout copies).
+    ref_fixed = REFERENCE_FIXED_US[work.op][work.fp8] if W > 1 else 0.0
     # NOTE: on a GPU shared by the group's ranks the "transfers" are device-local copies through
     # the same memory and SMs the matmul uses: measured, they do not overlap with it at all (H100,
     # W = 8 loopback, results/h100_cost_model_7f43c97.csv: fused ~ matmul / eff + comm).
     if work.op == "ag":
         comm = (W - 1) / W * work.M * work.K * work.a_bytes / bw * 1e6
         if link.shares_device:
-            gpu_fused = fused_mm + comm + FUSED_FIXED_US
+            gpu_fused = fused_mm + comm + FUSED_FIXED_US["ag"][work.fp8]
         else:
-            gpu_fused = max(fused_mm, comm + fused_mm / W) + FUSED_FIXED_US
-        gpu_ref = comm + matmul + REFERENCE_FIXED_US[work.fp8]
+            gpu_fused = max(fused_mm, comm + fused_mm / W) + FUSED_FIXED_US["ag"][work.fp8]
+        gpu_ref = comm + matmul + ref_fixed
     else:
         partial = work.M * work.N * work.out_bytes  # this rank's whole product
         comm = (W - 1) / W * partial / bw * 1e6
@@ -131,8 +144,8 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
         # NOTE: the producer stores each chunk into its owner's buffer while it computes: only
         # the part of the traffic that outlasts the matmul is exposed (between GPUs).
         exposed = comm if link.shares_device else max(comm - fused_mm, 0.0)
-        gpu_fused = fused_mm + exposed + reduce + FUSED_FIXED_US
-        gpu_ref = matmul + comm + reduce + REFERENCE_FIXED_US[work.fp8]
+        gpu_fused = fused_mm + exposed + reduce + FUSED_FIXED_US["rs"][work.fp8]
+        gpu_ref = matmul + comm + reduce + ref_fixed
     if capturing:
         return gpu_fused, gpu_ref
     ref_table = HOST_REFERENCE_SYMM if link.symm_reference else HOST_REFERENCE_COLLECTIVE
