@@ -6,7 +6,7 @@
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
 # STAGES=0 skips the stage profiles; HOST=0 the host profile; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
-# the cost-model check and the loopback ops.
+# the cost-model check (COST_ARGS: its extra arguments) and the loopback ops.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
 export PYTHONUNBUFFERED=1
@@ -46,7 +46,7 @@ if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and f
   grep -v "^\[rank" "$OUT/bench/persistent.txt" | tail -8
 fi
 [ "${LOOPBACK:-1}" = 1 ] || { pack; exit 0; }
-step cost_model 220 cost_model.txt python3 bench/check_cost_model.py
+step cost_model 220 cost_model.txt python3 bench/check_cost_model.py ${COST_ARGS:-}
 grep -v "^\[rank" "$OUT/bench/cost_model.txt" | tail -22
 cp bench/results/all_gather_matmul.csv bench/results/matmul_reduce_scatter.csv "$OUT/bench/" 2>/dev/null
 step ag_loopback 140 ag_loopback.txt python3 bench/bench_all_gather_matmul.py --mode loopback-op --Ms 8192
