@@ -213,11 +213,15 @@ def launch_static(fn, grid: Sequence[int], args: Sequence, constexprs: dict, opt
         run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *cvals)
         stats["direct"] += 1
         return kernel, (grid[0], g1, g2), call, cvals, device_index
-    except Exception as e:  # noqa: BLE001 - another Triton's launcher: fall back for good
+    except Exception as e:  # noqa: BLE001 - see below
+        # NOTE: the plain launch decides whose fault it was. If it raises too, the arguments are
+        # bad (a CPU tensor, say): the caller gets Triton's own error and the direct path stays
+        # (one bad call must not cost every later launch its host time, nor the launch memo its
+        # records). If it succeeds, this Triton's launcher takes other arguments: fall back for good.
+        stats["plain"] += 1
+        fn[grid](*args, **constexprs, **options)
         FAST = False
         from .. import env
 
         env.log_once(("fast_launch", type(e).__name__), "kernels.launch: direct launch failed (%s: %s); "
                      "using Triton's launch from now on", type(e).__name__, e)  # fmt: skip
-        stats["plain"] += 1
-        fn[grid](*args, **constexprs, **options)

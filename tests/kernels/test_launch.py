@@ -184,6 +184,38 @@ def test_hooks_and_failures_take_the_plain_launch(fake_device, monkeypatch):
     assert len(fn.plain) == n + 1 and L.FAST is False
 
 
+def test_a_call_that_the_plain_launch_rejects_too_keeps_the_direct_path(fake_device):
+    """Bad arguments (the direct launch and the plain one both raise): the caller gets the plain
+    launch's error, and later calls still launch directly."""
+    fn = _FakeJIT()
+    args, cx = [torch.zeros(8), torch.zeros(8), 8, 1.0], dict(BLOCK=8, FLAG=False)
+    L.launch(fn, (1,), args, cx)  # compiles (plain)
+    (k,) = fn.compiled.values()
+    good = k.run
+
+    def bad_args(*a):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    def plain_rejects(grid):
+        def run(*a, **kw):
+            raise ValueError("plain launch: cpu tensor")
+
+        return run
+
+    k.run = bad_args
+    type(fn).__getitem__, real = (lambda self, grid: plain_rejects(grid)), type(fn).__getitem__
+    try:
+        with pytest.raises(ValueError, match="plain launch"):
+            L.launch(fn, (1,), args, cx)
+    finally:
+        type(fn).__getitem__ = real
+    assert L.FAST is True
+    k.run = good
+    n, m = len(fn.plain), len(k.calls)
+    L.launch(fn, (1,), args, cx)
+    assert len(fn.plain) == n and len(k.calls) == m + 1, "the next call launched directly"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_direct_launch_matches_the_plain_launch():
     from mptp_kernels.kernels.reduce import reduce_partials
