@@ -83,8 +83,10 @@ def loopback_op(group_name, W, M, N, K):
         torch.mm(A, B, out=C)
         comm_only()
 
+    # reduce_only: the fused path's own reduction of this rank's chunk (W partials, fp32 sums, the
+    # kernel the op runs after its barrier): what hiding the reduction could save at most.
     fns = {"mptp": fn, "matmul_only": lambda: torch.mm(A, B, out=C), "comm_only": comm_only,
-           "copy_cublas": copy_cublas}  # fmt: skip
+           "copy_cublas": copy_cublas, "reduce_only": lambda: reduce_partials(slots, out)}  # fmt: skip
     return with_graphs(fns), {"timed": "op", "path": path}
 
 

@@ -190,5 +190,6 @@ def loopback_summary(t: dict) -> str:
         bound = max(t[f"matmul_only{sfx}"], t[f"comm_only{sfx}"])
         parts.append(f"{sfx or '@eager'}: mptp {mptp:7.1f}us matmul {t[f'matmul_only{sfx}']:7.1f} "
                      f"comm {t[f'comm_only{sfx}']:6.1f} copy+cublas {unfused:7.1f} "
-                     f"vs max {100 * (mptp / bound - 1):+5.1f}% speedup {unfused / mptp:.3f}")  # fmt: skip
+                     f"vs max {100 * (mptp / bound - 1):+5.1f}% speedup {unfused / mptp:.3f}"
+                     + (f" reduction {t[f'reduce_only{sfx}']:6.1f}" if f"reduce_only{sfx}" in t else ""))  # fmt: skip
     return " | ".join(parts)
