@@ -11,7 +11,9 @@ other arguments; it may only compile-cache a little more.
 
 NOTE: the plain launch (fn[grid](...)) is used for the first call of each key (it compiles, or
 finds, and returns the kernel), under the interpreter, while a launch hook is installed
-(profilers), and for good after any failure of the direct path (FAST = False, logged once).
+(profilers), and for good once a direct launch fails where the plain one then succeeds (this
+Triton's launcher takes other arguments: FAST = False, logged once; a call both reject is the
+caller's error, raised as the plain launch raises it, and the direct path stays).
 The launcher's calling convention (grid, stream, function, packed metadata, launch metadata,
 hooks, every bound argument including constexprs) is the one of Triton 3.3 to 3.8.
 """

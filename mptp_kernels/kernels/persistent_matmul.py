@@ -695,7 +695,8 @@ def persistent_matmul(
             (symm.primitives.fail_latch, device memory: a host-mapped record's reads, one per
             warp, queue over PCIe, ~1 ms per launch measured on an H100).
         stream_k: TMA kernels only. None: as STREAM_K says, with the default config or
-            SK_CONFIG's, where whole tiles would leave SMs idle in the last wave; False: never;
+            SK_CONFIG's, where whole tiles would leave SMs idle in the last wave (an FP8 consumer:
+            whole tiles of the default config, unless SK_FP8_CONSUMER); False: never;
             "split" / "stream": as None with that mode (and this call's config where one is given);
             True: with this call's config, STREAM_K's mode (default "split"); an int n > 0:
             stream-K over the last n tiles (0: none); ("split", R, s): the last R tiles in s K
@@ -880,7 +881,9 @@ SK_MAX_SPLIT = 8
 # bench/check_cost_model.py --plans, bench/results/h100_cost_model_plans_9134f4e.txt): the plan's large
 # whole tiles made the FP8 row-wise consumer 19% slower at N = 1280 and 34% at N = 768 (242 ->
 # 288 us, 114 -> 153 us), 4% at N = 4096, and gained nowhere (within 1% on the other three
-# shapes); the bf16 consumer gained with it (N = 1280: 448 -> 349 us).
+# shapes); the bf16 consumer gained with it (N = 1280: 448 -> 349 us). NOTE: measured with FP8
+# row-wise scales on a GPU its ranks share (8 SMs left to the copies) only; it applies to every
+# FP8 consumer (tensor-wise too, and between GPUs), where nothing else was measured.
 SK_FP8_CONSUMER = False
 # "auto" splits only calls of at least this many FLOPs (~15 us of H200 tensor-core time): below it
 # the split's few microseconds of fixed cost (tickets, pieces, the wait) are not worth a wave.

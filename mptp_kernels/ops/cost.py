@@ -5,7 +5,7 @@ launches ahead of the GPU, so whichever is longer sets the pace of a run of call
 CUDA-graph capture the host time is not replayed: only GPU time counts.
 
     GPU, fused all-gather:      max(matmul / (eff * free SMs), comm + last chunk's matmul)
-                                (eff: FUSED_EFF, times SMALL_N_EFF where N <= SMALL_N)
+                                (eff: FUSED_EFF times the small-N factor, _small_n)
                                 (a GPU shared by the ranks: matmul / (eff * free SMs) + comm)
     GPU, unfused all-gather:    comm + matmul
     GPU, fused reduce-scatter:  matmul / (eff * free SMs) + exposed comm + reduction
@@ -50,9 +50,11 @@ RATE_SCALE = {
 # The persistent consumer / producer against cuBLAS on the same shape (fitted on the H100 loopback
 # runs below: 1.035-1.09 x the matmul with 8 of 132 SMs left free, i.e. 0.97-1.03 per SM).
 FUSED_EFF = 0.97
-# ... times this where N <= SMALL_N: the persistent kernel ran 0.83-0.87x cuBLAS at N = 768 from
-# CUDA graphs (results/h200_persistent_matmul_5333caf.csv, M = 8192, bf16 and FP8).
-SMALL_N, SMALL_N_EFF = 1024, 0.87
+# ... times a small-N factor: SMALL_N_EFF at N <= SMALL_N[0], rising linearly to 1 at SMALL_N[1]
+# (the persistent kernel ran 0.83-0.87x cuBLAS at N = 768 and 0.93-0.95x at N = 1280 from CUDA
+# graphs, results/h200_persistent_matmul_5333caf.csv, M = 8192, bf16 and FP8). Linear and this
+# shallow, N / factor still grows with N: more work is never estimated faster.
+SMALL_N, SMALL_N_EFF = (768, 2048), 0.87
 # Bytes per second a rank receives: a device-local copy (peers sharing the GPU), a peer GPU.
 BW_SAME_DEVICE = 1.5e12
 BW_PEER = 350e9
@@ -69,14 +71,19 @@ BW_MEMORY = 3.0e12
 HOST_FUSED = {"ag": (228.0, 16.5), "rs": (202.0, 7.0)}
 HOST_REFERENCE_SYMM = {"ag": (101.0, 23.4), "rs": (166.0, 12.7)}
 HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
-HOST_FP8 = {"fused": 1.41, "reference": 1.77}
+HOST_FP8 = {"ag": {"fused": 1.41, "reference": 1.77},
+            # NOTE: not measured; its A is local (no scales' gather): the same factor for both
+            # paths, so that it does not bias the pick.
+            "rs": {"fused": 1.41, "reference": 1.41}}
 # Fixed GPU time of a call beyond its matmul and transfers, us, per op and FP8 or not: fused
 # (signals, flag reset, the chunk copies' own launches, the poison checks); reference (signals,
 # the layout copies; FP8: the scales' gather and casts). Fitted from CUDA graphs on the two H100
 # loopback runs (W = 8, M = 8192, six shapes each: results/h100_cost_model_47c8526.csv and
 # h100_cost_model_plans_9134f4e.csv, the median of each op's residuals). The FP8 reduce-scatter
-# was not measured: its A is local (no scale gather), so it takes the bf16 values.
-FUSED_FIXED_US = {"ag": {False: 25.0, True: 44.0}, "rs": {False: 0.0, True: 0.0}}
+# was not measured: its A is local (no scale gather), so it takes the bf16 values. The fused
+# reduce-scatter's fitted median was below zero (-3 us): it keeps the 8 us of its signals, flag
+# reset and barrier measured before (7f43c97), so that tiny calls are not estimated free.
+FUSED_FIXED_US = {"ag": {False: 25.0, True: 44.0}, "rs": {False: 8.0, True: 8.0}}
 REFERENCE_FIXED_US = {"ag": {False: 32.0, True: 59.0}, "rs": {False: 16.0, True: 16.0}}
 
 
@@ -113,9 +120,14 @@ def _rate(work: Work, link: Link) -> float:
     return per_sm * max(link.sms, 1)
 
 
+def _small_n(N: int) -> float:
+    lo, hi = SMALL_N
+    return SMALL_N_EFF + (1.0 - SMALL_N_EFF) * min(max((N - lo) / (hi - lo), 0.0), 1.0)
+
+
 def _host(table, work: Work, link: Link, path: str) -> float:
     base, per_peer = table[work.op]
-    return (base + per_peer * (link.W - 1)) * (HOST_FP8[path] if work.fp8 else 1.0)
+    return (base + per_peer * (link.W - 1)) * (HOST_FP8[work.op][path] if work.fp8 else 1.0)
 
 
 def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, float]:
@@ -123,7 +135,7 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
     W = link.W
     matmul = 2.0 * work.M * work.N * work.K / _rate(work, link) * 1e6
     free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1)
-    fused_mm = matmul / (FUSED_EFF * (SMALL_N_EFF if work.N <= SMALL_N else 1.0) * free)
+    fused_mm = matmul / (FUSED_EFF * _small_n(work.N) * free)
     bw = BW_SAME_DEVICE if link.shares_device else BW_PEER
     # NOTE: one rank: the reference is a plain matmul (no collective, no layout copies).
     ref_fixed = REFERENCE_FIXED_US[work.op][work.fp8] if W > 1 else 0.0

@@ -1058,9 +1058,9 @@ def test_cached_launch_plans_give_every_launch_what_a_fresh_plan_gives(monkeypat
 @pytest.mark.parametrize("mode", ["plain", "consumer"])
 @pytest.mark.parametrize("fp8_consumer", [False, True])
 def test_an_fp8_consumer_takes_whole_default_tiles_unless_asked(monkeypatch, fp8, mode, fp8_consumer):
-    """The default plan ("auto", no config) weighs the large-tile candidate for every call but an
-    FP8 consumer's while SK_FP8_CONSUMER is False (measured slower there); an explicit stream_k
-    still asks for a split. Checked on what _launch_tma is handed (no launch)."""
+    """The default plan ("auto", no config) weighs the large-tile candidate (the sk_config that
+    _launch_tma is handed; no launch here) for every call but an FP8 consumer's while
+    SK_FP8_CONSUMER is False (measured slower there); stream_k="split" weighs it for every call."""
     got = []
 
     def spy(*args, **kw):
