@@ -10,6 +10,8 @@ if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+# NOTE: the device's copy of the tree may carry a stale .git (seen: 9134f4e's rows labelled 47c8526)
+[ -n "${MPTP_BENCH_COMMIT:-}" ] || echo "warning: MPTP_BENCH_COMMIT unset: bench CSV rows take this copy's git HEAD, which may be stale" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
 python3 -c "import torch, triton, mptp_kernels as m; print('torch', torch.__version__, 'triton', triton.__version__, 'built:', m.build_info.CUDA_EXTENSION_BUILT)" | tee -a "$OUT/build.log"
 export MPTP_FALLBACK_LOG="$OUT/fallback_paths.txt"
