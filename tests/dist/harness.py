@@ -48,23 +48,38 @@ class Workers:
     def __init__(self, world_size: int, backend: str = "gloo", env=None, timeout_s: float = 300):
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self._backend, self._env = backend, dict(env or {})
+        self._start()
+
+    def _start(self):
         ctx = mp.get_context("spawn")
         fd, self._store = tempfile.mkstemp(prefix="mptp_store_")
         os.close(fd)
         os.unlink(self._store)
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, self._store, backend, list(sys.path), dict(env or {}),
+                args=(r, self.world_size, self._store, self._backend, list(sys.path), self._env,
                       self._tasks[r], self._results),  # fmt: skip
                 daemon=True,
             )
-            for r in range(world_size)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+
+    def _restart(self):
+        """Kills every rank and starts fresh ones: after a run that timed out, a rank may still
+        be inside it (a collective whose peer gave up), and the next test must not inherit it."""
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join(timeout=30)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._store)
+        self._start()
 
     def run(self, fn, *args, timeout_s=None, **kwargs):
         """Runs fn on every rank; returns [result of rank 0, ..., rank W-1]."""
@@ -81,9 +96,12 @@ class Workers:
                 rank, ok, value = self._results.get(timeout=timeout_s or self.timeout_s)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                answered = sorted(set(errors) | {r for r, v in enumerate(out) if v is not None})
+                msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                self._restart()  # the next run starts clean
                 raise AssertionError(
-                    f"{fn.__name__}: no answer within {timeout_s or self.timeout_s}s "
-                    f"(dead ranks: {dead})"
+                    f"{fn.__name__}: no answer from every rank within {timeout_s or self.timeout_s}s "
+                    f"(answered: {answered}, dead ranks: {dead}; the workers were restarted)\n{msg}"
                 ) from None
             if ok:
                 out[rank] = value

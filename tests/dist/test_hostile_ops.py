@@ -16,6 +16,7 @@ check is opt-in (MPTP_CHECK_AGREEMENT=1): without it the reference path sends ex
 collectives of the unfused ops, and behaves as they do (tests/compile/test_rank_divergent.py).
 """
 
+import datetime
 import os
 import random
 import threading
@@ -281,8 +282,9 @@ def _fnuz_reduce_scatter(seed):
     # Each partial and the sum round to the FP8 dtype: within two of its ulps of the fp32 sum.
     torch.testing.assert_close(out.float(), want, rtol=2 * 2**-3, atol=2 * 2**-7)
     # and the group still works (entered together: the file's MPTP_TIMEOUT_S of 3 s bounds how far
-    # apart ranks may arrive, and a loaded 2-core CI machine once exceeded it here)
-    dist.barrier()
+    # apart ranks may arrive, and a loaded 2-core CI machine once exceeded it here). Bounded: where
+    # the call above timed out on one rank only (load), a plain barrier would wait for good.
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
     torch.ops.mptp.fused_all_gather_matmul(torch.randn(2, 8), [torch.randn(8, 3)], 0, g.group_name)
 
 
