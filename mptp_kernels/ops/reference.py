@@ -30,7 +30,11 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
 
     "avg" divides the sum by W (integers: truncating, so the dtype is kept). FP8: the
     partials are summed (and averaged) in fp32 and rounded once, saturating, on every
-    transport (gloo cannot reduce FP8, and FP8 tensors cannot be divided).
+    transport (gloo cannot reduce FP8, and FP8 tensors cannot be divided). fp16 likewise
+    (unsaturated): summed in fp16, as gloo and NCCL sum it, a partial sum can overflow to inf
+    where the sum or the average fits, as the fused path's fp32 reduction never does. On
+    mptp's own transport bf16, fp16 and fp32 are summed in fp32 in rank order and averaged
+    before their one rounding, as the fused path does.
     """
     if scatter_dim != 0:
         # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
@@ -41,6 +45,10 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
         return out.clamp(-fmax, fmax).to(t.dtype)
     t = t.contiguous()
     tr = transport.current()
+    if isinstance(tr, transport.SymmTransport) and t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return tr.reduce_scatter(t, W, group_name, scale=1.0 / W if reduce_op == "avg" else 1.0)
+    if t.dtype == torch.float16:
+        return reduce_scatter(t.float(), reduce_op, 0, W, group_name).to(t.dtype)
     if tr is not None:
         out = tr.reduce_scatter(t, W, group_name)
     else:

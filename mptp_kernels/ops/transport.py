@@ -167,8 +167,9 @@ class SymmTransport:
         P.finish([out], ws.err)  # NaN if a wait timed out
         return out.view(t.dtype).view(W * t.shape[0], *t.shape[1:]) if t.dim() else out.view(t.dtype)
 
-    def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-        """t: [W * c, ...] contiguous; returns the sum over ranks of chunk `rank` ([c, ...], t's dtype)."""
+    def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str, scale: float = 1.0) -> torch.Tensor:
+        """t: [W * c, ...] contiguous; returns the sum over ranks of chunk `rank` ([c, ...], t's dtype),
+        times scale (16-bit and 32-bit floats and FP8 only: applied in fp32, before the rounding)."""
         from ..kernels.reduce import reduce_partials
 
         ws, r = self.ws, self.ws.rank
@@ -190,8 +191,9 @@ class SymmTransport:
         out_shape = (t.shape[0] // W, *t.shape[1:])
         if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2):
             out = torch.empty(out_shape, dtype=t.dtype, device=t.device)
-            reduce_partials(mine, out.view(-1))  # NOTE: fp32, rank order: deterministic
+            reduce_partials(mine, out.view(-1), scale=scale)  # NOTE: fp32, rank order: deterministic
         else:  # fp64 and integers: exact enough, in the dtype itself, in rank order
+            assert scale == 1.0, "scale: floats of at most 32 bits only"
             out = mine[0].clone()
             for p in range(1, W):
                 out += mine[p]

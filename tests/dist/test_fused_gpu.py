@@ -179,6 +179,45 @@ def test_fused_matmul_reduce_scatter(fused_workers, dtype, shape, scatter_dim, N
     fused_workers.run(_rs, SEED, shape, scatter_dim, N, reduce_op, dtype)
 
 
+def _rs_fp16_near_overflow(reduce_op, path):
+    """Partials of +-40000 (fp16 max 65504; signs + + - - by rank): the average and the sum of
+    four fit fp16, a sum of two does not. Both paths sum in fp32 and round once."""
+    import os
+
+    from mptp_kernels.ops.dispatch import PATH_COUNTS
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    signs = [1.0, 1.0, -1.0, -1.0][:W]
+    A = torch.full((2 * W, 1), 200.0 * signs[r], dtype=torch.float16, device="cuda")
+    B = torch.full((1, 4), 200.0, dtype=torch.float16, device="cuda")
+    want = 40000.0 * sum(signs) / (W if reduce_op == "avg" else 1)
+    want = torch.full((2, 4), want, dtype=torch.float64).to(torch.float16)
+    env = {"MPTP_FORCE_FUSED": "1" if path == "fused" else "0", "MPTP_DISABLE_FUSED": "1" if path == "reference" else "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        before = PATH_COUNTS[("fused_matmul_reduce_scatter", path)]
+        out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, reduce_op, 0, g)
+        torch.cuda.synchronize()
+        assert PATH_COUNTS[("fused_matmul_reduce_scatter", path)] == before + 1, f"the {path} path did not run"
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    torch.testing.assert_close(out.cpu(), want, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_fp16_reduce_scatter_rounds_once_on_both_paths(fused_workers, reduce_op, path):
+    """Found by a hostile review: the reference path summed fp16 partials in fp16 and divided
+    for "avg" after the rounding (inf where the average fits; the fused path gave the average)."""
+    fused_workers.run(_rs_fp16_near_overflow, reduce_op, path)
+
+
 def _rs_scaled(seed, shape, N, mode, with_bias, out_dtype, strided=False):
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
