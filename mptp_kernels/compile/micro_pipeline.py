@@ -604,14 +604,25 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     nodes.extend(pieces)
     # Optional per-piece view.dtype (type-erased fp8), then one cat in piece order.
     ends, view_dtype = [], (pre_view.args[1] if pre_view is not None and pre_view in nodes else None)
+    piece_views = []
     for g in getitems:
         g = _skip_aliases(g, nodes)
         u = _single_user(g)
         if u is not None and u.target is aten.view.dtype:
-            view_dtype = u.args[1]
+            piece_views.append(u.args[1])
             nodes.append(u)
             g = _skip_aliases(u, nodes)
+        else:
+            piece_views.append(None)
         ends.append(g)
+    # NOTE: the rewrite views the shard once, for every piece: only where every piece was viewed
+    # as the same dtype, or none was. One piece viewed alone makes the cat promote the others
+    # (a value conversion, not the same bytes): found by a hostile review (int32 pieces, one
+    # viewed as float32, fused as if all were).
+    if len(set(piece_views)) != 1:
+        return None
+    if piece_views[0] is not None:
+        view_dtype = piece_views[0]
     cats = {_single_user(g) for g in ends}
     if len(cats) != 1:
         return None

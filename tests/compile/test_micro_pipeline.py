@@ -297,6 +297,23 @@ def test_all_gather_type_erased_fp8_dim1_3d(fake4):
     assert fused.args[4] == 1
 
 
+@pytest.mark.parametrize("viewed", [(0,), (3,), (1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_all_gather_pieces_viewed_unalike_not_fused(fake4, viewed, gather_dim):
+    """Found by a hostile review: int32 pieces, some viewed as float32, the rest promoted by the
+    cat (their values converted, not their bytes): the pass fused them as if every piece were
+    viewed. Fused only where every piece is viewed alike (here: all four)."""
+
+    def f(shard, B):
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(shard.contiguous(), W4, fake4))
+        pieces = [p.view(torch.float32) if i in viewed else p for i, p in enumerate(torch.split(out, 2, 0))]
+        return torch.cat(pieces, dim=gather_dim) @ B
+
+    shard = torch.randn(2, 8) if gather_dim == 0 else torch.randn(2, 3, 8)  # gather_dim 1: 3-D
+    _check_numerics(f, (shard.view(torch.int32).clone(), torch.randn(8, 5)),
+                    expect_fused=1 if len(viewed) == W4 else 0)  # fmt: skip
+
+
 def test_scaled_all_gather_last_dim_not_fused(fake4):
     def f(shard, B, sa, sb):
         A = _ag(shard, W4, fake4, 1)
