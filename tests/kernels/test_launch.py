@@ -184,7 +184,7 @@ def test_hooks_and_failures_take_the_plain_launch(fake_device, monkeypatch):
     assert len(fn.plain) == n + 1 and L.FAST is False
 
 
-def test_a_call_that_the_plain_launch_rejects_too_keeps_the_direct_path(fake_device):
+def test_a_call_that_the_plain_launch_rejects_too_keeps_the_direct_path(fake_device, monkeypatch):
     """Bad arguments (the direct launch and the plain one both raise): the caller gets the plain
     launch's error, and later calls still launch directly."""
     fn = _FakeJIT()
@@ -203,17 +203,15 @@ def test_a_call_that_the_plain_launch_rejects_too_keeps_the_direct_path(fake_dev
         return run
 
     k.run = bad_args
-    type(fn).__getitem__, real = (lambda self, grid: plain_rejects(grid)), type(fn).__getitem__
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(_FakeJIT, "__getitem__", lambda self, grid: plain_rejects(grid))
         with pytest.raises(ValueError, match="plain launch"):
             L.launch(fn, (1,), args, cx)
-    finally:
-        type(fn).__getitem__ = real
     assert L.FAST is True
     k.run = good
-    n, m = len(fn.plain), len(k.calls)
+    n, calls = len(fn.plain), len(k.calls)
     L.launch(fn, (1,), args, cx)
-    assert len(fn.plain) == n and len(k.calls) == m + 1, "the next call launched directly"
+    assert len(fn.plain) == n and len(k.calls) == calls + 1, "the next call launched directly"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
