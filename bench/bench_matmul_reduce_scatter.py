@@ -85,9 +85,30 @@ def loopback_op(group_name, W, M, N, K):
 
     # reduce_only: the fused path's own reduction of this rank's chunk (W partials, fp32 sums, the
     # kernel the op runs after its barrier): what hiding the reduction could save at most.
+    # mptp_pass: the op with MPTP_RS_REDUCE=pass (the sum after the matmul and a barrier), where
+    # "mptp" sums inside the matmul (a loopback group does by default); fused only if "mptp" is.
     fns = {"mptp": fn, "matmul_only": lambda: torch.mm(A, B, out=C), "comm_only": comm_only,
            "copy_cublas": copy_cublas, "reduce_only": lambda: reduce_partials(slots, out)}  # fmt: skip
+    if path == "fused":
+        fns["mptp_pass"] = _with_env("MPTP_RS_REDUCE", "pass", fn)
     return with_graphs(fns), {"timed": "op", "path": path}
+
+
+def _with_env(var, value, fn):
+    """fn with os.environ[var] = value for the call (the env is read per call)."""
+
+    def call():
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
+
+    return call
 
 
 def loopback(W, M, N, K):

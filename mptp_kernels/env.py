@@ -25,6 +25,11 @@ MPTP_CE_COPIES       0: never ask for copy-engine chunk copies in the fused all-
 MPTP_RESERVE_SMS     SMs the all-gather consumer leaves free for chunk copies that may run as
                      kernels where a peer shares this GPU, 1 to 64 (default 8; at most 2 where
                      the copies asked for a copy engine).
+MPTP_RS_REDUCE       where the fused matmul-reduce-scatter sums its chunk: "auto" (default) inside
+                     the matmul wherever no peer shares this GPU (and on loopback groups), else
+                     in a pass after it and a barrier; "kernel": inside the matmul even on a GPU
+                     the ranks share (their kernels may then be time-sliced: slow; tests); "pass":
+                     always after. The ranks take the in-matmul sum only if all can.
 MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 """
 
@@ -96,6 +101,14 @@ def launch_memo_enabled() -> bool:
     """Whether persistent-matmul launches may reuse an earlier launch's bound arguments
     (kernels/persistent_matmul.py, the launch memo); read at the first launch."""
     return _switch("MPTP_LAUNCH_MEMO", "1")
+
+
+def rs_reduce() -> str:
+    """MPTP_RS_REDUCE: "auto", "kernel" or "pass" (see the module docstring)."""
+    raw = os.environ.get("MPTP_RS_REDUCE", "").strip().lower() or "auto"
+    if raw not in ("auto", "kernel", "pass"):
+        raise ValueError(f"MPTP_RS_REDUCE: expected auto, kernel or pass, got {raw!r}")
+    return raw
 
 
 def reserve_sms() -> int:

@@ -42,6 +42,29 @@ from .poison import poison_if_error
 
 MAX_B = 3
 MODE_PLAIN, MODE_CONSUMER, MODE_PRODUCER = 0, 1, 2
+# The signal-pad channel of matmul-reduce-scatter's arrival flags (symm.primitives.CH_ARRIVE), for
+# the error record of a wait for them that timed out.
+_CH_ARRIVE = tl.constexpr(3)
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """persistent_matmul(reduce=...): matmul-reduce-scatter's sum inside the matmul (the TMA
+    kernel's PRODUCE 2; see there). `slots` is this rank's buffer as [W, M // W, N] (scatter_to[rank]
+    is slots[rank]); `out` [M // W, N] receives scale * the fp32 sum of the W slots, in slot
+    order; `counters` int32 [W], zero (each launch leaves them zero); `arrive_to` int64 [W], the
+    address of the int32 flag that tells chunk c's owner our partial of it arrived (ignored for
+    c == rank); `arrived` int32 [W], this rank's flags (set to 1 by peers; the caller zeroes them
+    after the launch); `err` the error record a timed-out wait fills."""
+
+    rank: int
+    slots: torch.Tensor
+    out: torch.Tensor
+    counters: torch.Tensor
+    arrive_to: torch.Tensor
+    arrived: torch.Tensor
+    err: torch.Tensor
+    scale: float = 1.0
 
 
 @triton.jit
@@ -217,8 +240,9 @@ def _persistent_matmul_kernel(
 def _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
                   A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, GUARD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Scales, bias, output cast and the masked store of one tile (rows below row_end)."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, c_row0=0):  # fmt: skip
+    """Scales, bias, output cast and the masked store of one tile (rows below row_end); C's row
+    i holds A's row c_row0 + i (a chunk scattered to its own buffer: c_row0 is its first row)."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     row_mask = offs_m < row_end
@@ -236,7 +260,7 @@ def _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_en
     if RS_MODE != 0:
         acc = acc * out_factor
     # int64 rows: rows * N passes 2**31 on large outputs.
-    c_ptrs = C + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    c_ptrs = C + (offs_m - c_row0).to(tl.int64)[:, None] * N + offs_n[None, :]
     out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
     if GUARD:
         tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
@@ -315,10 +339,57 @@ def _sk_add(acc, good, SK_WS, SK_SYNC, slot, wait_ns, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
+def _publish_tile(counters_ptr, arrive_to, chunk, tiles_per_chunk):
+    """A tile of `chunk` is stored in its owner's buffer: count it; the program that counts the
+    chunk's last tile zeroes the count and flags the chunk's arrival in the owner's pad (release,
+    system scope, after every store of every program that counted before it)."""
+    tl.debug_barrier()  # every thread's stores of this tile before the count
+    done = tl.atomic_add(counters_ptr + chunk, 1, sem="acq_rel", scope="sys")
+    if done == tiles_per_chunk - 1:
+        tl.atomic_xchg(counters_ptr + chunk, 0, sem="relaxed", scope="gpu")
+        signal_release(tl.load(arrive_to + chunk).to(tl.pointer_type(tl.int32)), 1)
+
+
+@triton.jit
+def _wait_partials(arrived, W, rank, timeout_ns, err_ptr, tag, CHANNEL: tl.constexpr):
+    """Waits (acquire) until every peer flagged its partial of this rank's chunk as arrived."""
+    for p in range(0, W):
+        if p != rank:
+            wait_acquire(arrived + p, 1, timeout_ns, err_ptr, p, tag, CHANNEL=CHANNEL)
+    tl.debug_barrier()  # the acquires above before any thread's loads of the partials
+
+
+@triton.jit
+def _reduce_tile(SLOTS, OUT, red_scale, W, chunk_m, N, off_m, off_n, E5M2_INF: tl.constexpr,
+                 SOFT_FP8: tl.constexpr, SUB_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """OUT[tile] = red_scale * sum over p = 0 .. W-1 of SLOTS[p][tile] in fp32, in slot order (as
+    reduce.reduce_partials sums, bit for bit), SUB_M rows at a time (a whole tile beside the
+    accumulator would spill). SLOTS: [W, chunk_m, N]; off_m counts rows of the chunk."""
+    tl.debug_barrier()  # this program's own partial, stored by every thread, before the loads
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < N
+    step = chunk_m.to(tl.int64) * N
+    for r in tl.static_range(0, BLOCK_M, SUB_M):
+        rows = off_m + r + tl.arange(0, SUB_M)
+        mask = (rows < chunk_m)[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+        ptrs = SLOTS + offs
+        tot = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, W):
+            # .cg: a peer's partial, written over NVLink, is read from L2, never from a stale L1 line.
+            tot += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            ptrs += step
+        tot = tot * red_scale
+        tl.store(OUT + offs, to_output(tot, OUT.dtype.element_ty, E5M2_INF, SOFT_FP8), mask=mask)
+
+
+@triton.jit
 def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
     order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, sk_wait_ns, SK_WS, SK_SYNC,
-    NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    D0, D1, D2, D3, D4, D5, D6, D7, SLOTS, OUT, counters_ptr, arrive_to, arrived, rank, red_scale, red_err,
+    NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, PRODUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
     B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, SK_MODE: tl.constexpr, SUB_M: tl.constexpr,
@@ -351,6 +422,19 @@ def _persistent_matmul_tma_kernel(
     got an SM (whatever else holds SMs). The last program to finish (SK_SYNC[1]) zeroes the
     tickets and the flags for the next launch (SK_SYNC is per stream, or per captured launch).
 
+    PRODUCE 1 (scatter): chunk c's rows go to D_c (rows renumbered from 0), e.g. slot r of rank
+    c's symmetric buffer. PRODUCE 2 (scatter and reduce, matmul-reduce-scatter): as 1, and each
+    stored tile of another rank's chunk is counted (counters_ptr); the chunk's last one flags
+    its arrival in the owner's pad (arrive_to[c]: an address). A tile of this rank's own chunk
+    (`rank`, last in the order) is stored to its slot (D_rank, SLOTS[rank]) too; then, once every
+    peer's partial of the chunk has arrived (arrived[p], waited for after the program's first
+    own tile is computed: the peers' last partials land while it is), the program sums the W
+    slots of the tile in slot order and stores it to OUT ([chunk_m, N]). A wait that times out
+    fills red_err (the process's error record; the caller poisons OUT after the launch).
+    NOTE: those waits are for other GPUs' kernels (or, on a loopback group, for earlier tiles of
+    this launch); a GPU shared by ranks' processes does not take PRODUCE 2 (SymmetricMemory.
+    kernel_reduce).
+
     NOTE: a tile may load rows past its chunk (another chunk's, maybe not yet
     arrived); they only feed output rows that the masked store drops.
     """
@@ -381,14 +465,30 @@ def _persistent_matmul_tma_kernel(
             if first < last:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
         row_start = chunk * chunk_m
+        if PRODUCE != 0:
+            Cc = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
+            c_row0 = row_start
+        else:
+            Cc = C
+            c_row0 = 0
+        waited = False
         for t in tl.range(first, last, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
             off_m = row_start + pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             acc = _tma_acc(a_desc, b_desc, off_m, off_n, 0, k_tiles, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-            _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
+            _tma_epilogue(acc, Cc, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
                           A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
-                          BLOCK_M, BLOCK_N)  # fmt: skip
+                          BLOCK_M, BLOCK_N, c_row0)  # fmt: skip
+            if PRODUCE == 2:
+                if chunk == rank:
+                    if not waited:
+                        _wait_partials(arrived, NUM_CHUNKS, rank, timeout_ns, red_err, tag, CHANNEL=_CH_ARRIVE)
+                        waited = True
+                    _reduce_tile(SLOTS, OUT, red_scale, NUM_CHUNKS, chunk_m, N, off_m - row_start, off_n,
+                                 E5M2_INF, SOFT_FP8, SUB_M, BLOCK_M, BLOCK_N)  # fmt: skip
+                elif ok:  # NOTE: a guarded launch stored nothing: it must not say it did (fail-stop)
+                    _publish_tile(counters_ptr, arrive_to, chunk, tiles_per_chunk)
     if SK_MODE == 1:
         share = NUM_SMS - 1 - ticket
         base = dp_tiles * k_tiles
@@ -465,9 +565,14 @@ def _persistent_matmul_tma_kernel(
             tl.store(SK_SYNC, 0)
 
 
+def reduce_eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether persistent_matmul(A, [B], reduce=...) can run here: the TMA kernel on a GPU."""
+    return USE_TMA and A.is_cuda and not _interpreting() and _tma_ok(A, [B], None, MODE_PLAIN)
+
+
 def _tma_ok(A, Bs, scatter_to, mode) -> bool:
-    """The TMA kernel serves one B, no scatter, 16-byte aligned rows (FP8: K-major B)."""
-    if len(Bs) != 1 or scatter_to is not None or mode == MODE_PRODUCER or A.dtype == torch.float32:
+    """The TMA kernel serves one B, 16-byte aligned rows (FP8: K-major B), any scatter_to."""
+    if len(Bs) != 1 or mode == MODE_PRODUCER or A.dtype == torch.float32:
         return False
     B = Bs[0]
     es = A.element_size()
@@ -661,6 +766,7 @@ def persistent_matmul(
     poison: bool = True,
     guard: bool = False,
     stream_k=None,
+    reduce: Optional[Reduce] = None,
 ) -> List[torch.Tensor]:
     """C_i = A @ B_i (scaled, biased) with a persistent grid; returns [C_i].
 
@@ -700,7 +806,11 @@ def persistent_matmul(
             "split" / "stream": as None with that mode (and this call's config where one is given);
             True: with this call's config, STREAM_K's mode (default "split"); an int n > 0:
             stream-K over the last n tiles (0: none); ("split", R, s): the last R tiles in s K
-            ranges, R * s at most the programs (tests). The pointer kernel ignores it.
+            ranges, R * s at most the programs (tests). The pointer kernel ignores it, and so does
+            a call with scatter_to (whole tiles: each is stored to its chunk's buffer at once).
+        reduce: with scatter_to (order: this rank's chunk last), matmul-reduce-scatter's sum in the
+            matmul (Reduce; the TMA kernel's PRODUCE 2). Needs the TMA kernel (reduce_eligible):
+            a call it cannot serve raises ValueError. Returns [reduce.out].
     """
     global USE_TMA
     memo = None
@@ -733,6 +843,14 @@ def persistent_matmul(
     if scatter_to is not None:
         assert len(Bs) == 1 and len(scatter_to) == num_chunks <= 8
         outs = [scatter_to[0]]
+        stream_k = False
+    if reduce is not None:
+        if scatter_to is None or mode != MODE_PLAIN or not 0 <= reduce.rank < num_chunks:
+            raise ValueError("persistent_matmul: reduce needs scatter_to, the plain mode and 0 <= rank < num_chunks")
+        if not _tma_ok(A, Bs, None, MODE_PLAIN) or kernel not in ("auto", "tma"):
+            raise ValueError("persistent_matmul: reduce needs the TMA kernel: one B, 16-byte aligned rows "
+                             "(FP8: K-major B), kernel 'auto' or 'tma'")  # fmt: skip
+        kernel = "tma"
     outs_given = outs is not None
     if outs is None:
         outs = [torch.empty(M, n, device=dev, dtype=out_dtype) for n in Ns]
@@ -779,7 +897,7 @@ def persistent_matmul(
         use_tma = USE_TMA and A.is_cuda and not _interpreting() and _tma_ok(A, Bs, scatter_to, mode)
         kernel = AUTO_KERNEL["fp8" if fp8 else "16bit"] if use_tma else "pointer"
     elif kernel != "pointer" and not _tma_ok(A, Bs, scatter_to, mode):
-        raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no scatter, no producer mode, "
+        raise ValueError(f"persistent_matmul: kernel={kernel!r} needs one B, no producer mode, "
                          "16-bit or FP8 (K-major B) inputs with 16-byte aligned rows")  # fmt: skip
     if kernel != "pointer":
         sk_config = None
@@ -796,12 +914,12 @@ def persistent_matmul(
             # caller's own tensors are not (their addresses are in the key).
             memo = (memo, outs_given, out_dtype, mode == MODE_CONSUMER and poison, err if err_default else None,
                     (order if order_default else None, dummy_i, dummy_f))  # fmt: skip
-        if not auto:
-            return _poisoned(_launch_tma(*args, memo=memo), mode, err, poison)
+        if not auto or reduce is not None:  # (the pointer kernel cannot reduce: no fallback)
+            return _poisoned(_launch_tma(*args, scatter_to=scatter_to, reduce=reduce, memo=memo), mode, err, poison)
         # NOTE: the poison check stays outside the try: its failure must not disable TMA, nor
         # launch the consumer a second time.
         try:
-            launched = _launch_tma(*args, memo=memo)
+            launched = _launch_tma(*args, scatter_to=scatter_to, reduce=reduce, memo=memo)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton without tensor descriptors
             USE_TMA = False
             from .. import env
@@ -1037,7 +1155,7 @@ _new = object.__new__
 
 def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeout_s, err, A_scale, B_scales,
                 biases, a_mode, b_mode, fast_accum, flatten, result_scale, tag, fp8_out, guard=False,
-                stream_k=None, sk_config=None, memo=None):
+                stream_k=None, sk_config=None, scatter_to=None, reduce=None, memo=None):
     """stream_k: see persistent_matmul; sk_config: the large-tile candidate of "auto"; memo: the
     launch memo's key and what its entry keeps (persistent_matmul), or None: not recorded."""
     global TensorDescriptor
@@ -1047,11 +1165,12 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     N = B.shape[1]
     kmajor = B.stride(1) != 1
     has_bias = biases is not None
+    produce = 0 if scatter_to is None else (1 if reduce is None else 2)
     # The launch plan: everything but the addresses, from the shapes and options only (their
     # complete list: the key). NOTE: the module's STREAM_K and SK_* values are part of it.
     # NOTE: stream_k by its repr: True (the split) and 1 (stream-K over one tile) are == in Python.
     key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, None if stream_k is None else repr(stream_k), mode,
-           a_mode, b_mode, has_bias,
+           produce, a_mode, b_mode, has_bias,
            fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
            _sk_settings())  # fmt: skip
     plan = _TMA_PLANS.get(key)
@@ -1063,7 +1182,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
             tiles = num_chunks * _cdiv(M // num_chunks, c.BLOCK_M) * _cdiv(N, c.BLOCK_N)
             grid = (max(1, min(sms, tiles)),)
         constexprs = dict(
-            NUM_CHUNKS=num_chunks, MODE=mode, HAS_BIAS=has_bias, A_SCALE_MODE=a_mode,
+            NUM_CHUNKS=num_chunks, MODE=mode, PRODUCE=produce, HAS_BIAS=has_bias, A_SCALE_MODE=a_mode,
             B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
             SK_MODE=sk_mode, SUB_M=min(c.BLOCK_M, 32), BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
             GROUP_M=c.GROUP_M, NUM_SMS=grid[0],
@@ -1090,13 +1209,28 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         M, N, K, order, flags, epoch, int(timeout_s * 1e9), err, tag, sk_tiles, splits,
         int(2 * timeout_s * 1e9) + 1_000_000_000, pieces, sync,
     ]  # fmt: skip
+    if scatter_to is None:
+        args += [_dummy(dev)] * 8
+    else:
+        args += list(scatter_to) + [scatter_to[0]] * (8 - len(scatter_to))
+    if reduce is None:
+        d = _dummy(dev, torch.int32)
+        args += [_dummy(dev), _dummy(dev), d, _dummy(dev, torch.int64), d, 0, 1.0, d]
+    else:
+        r = reduce
+        assert r.slots.is_contiguous() and r.out.is_contiguous() and r.slots.dtype == r.out.dtype == C.dtype
+        assert tuple(r.slots.shape) == (num_chunks, M // num_chunks, N) and tuple(r.out.shape) == (M // num_chunks, N)
+        assert r.slots[r.rank].data_ptr() == scatter_to[r.rank].data_ptr(), "scatter_to[rank] must be slots[rank]"
+        assert r.counters.dtype == r.arrived.dtype == r.err.dtype == torch.int32 and r.arrive_to.dtype == torch.int64
+        assert r.counters.numel() >= num_chunks and r.arrived.numel() >= num_chunks and r.arrive_to.numel() >= num_chunks
+        args += [r.slots, r.out, r.counters, r.arrive_to, r.arrived, int(r.rank), float(r.scale), r.err]
     done = launch_static(_persistent_matmul_tma_kernel, grid, args, constexprs, options, key)
     if memo is not None and done is not None:
         try:
             _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B)
         except Exception:  # noqa: BLE001 - the launch is done: a failed record only costs the next call time
             pass
-    return [C]
+    return [C] if reduce is None else [reduce.out]
 
 
 def _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B):

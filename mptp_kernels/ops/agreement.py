@@ -37,6 +37,9 @@ _DTYPES = (
 )  # fmt: skip
 MAX_DIMS = 8
 PAYLOAD_BYTES = 512
+# Call.options: matmul-reduce-scatter sums its chunk inside the matmul (fused.py, kernel_reduce):
+# the ranks' protocols differ (arrival flags against a barrier), so all take it or none does.
+OPT_KERNEL_REDUCE = 1
 _HEAD = struct.Struct("<5q")  # op, fusable, need, n_must, n_free
 
 
@@ -66,13 +69,16 @@ class Call:
     fusable: bool = False
     need: int = 0
     error: Optional[str] = None
+    # Fused-path variants this rank's call can take (bits: OPT_*); the ranks take those all can.
+    options: int = 0
 
     def encode(self) -> bytes:
         # The free fields are informative only (never compared): keep as many as fit in the payload,
         # so a call with many Bs still fits (it overflowed the payload past ~55 Bs).
         room_free = max((PAYLOAD_BYTES - _HEAD.size - 8 * len(self.must)) // 8, 0)
         free = self.free[:room_free]
-        head = _HEAD.pack(OPS.index(self.op), int(self.fusable), int(self.need), len(self.must), len(free))
+        head = _HEAD.pack(OPS.index(self.op), int(bool(self.fusable)) | (int(self.options) << 1), int(self.need),
+                          len(self.must), len(free))  # fmt: skip
         vals = [v for _, v in self.must] + [v for _, v in free]
         body = struct.pack(f"<{len(vals)}q", *vals)
         room = PAYLOAD_BYTES - len(head) - len(body)
@@ -89,6 +95,7 @@ class Decoded:
     must_vals: Tuple[int, ...]
     free_vals: Tuple[int, ...]
     error: Optional[str]
+    options: int = 0
 
 
 def decode(b: bytes) -> Decoded:
@@ -106,7 +113,8 @@ def decode(b: bytes) -> Decoded:
             "group: every rank must make the same calls on a group, in the same order)"
         ) from None
     err = b[off + 8 * (nm + nf) :].decode(errors="replace") or None
-    return Decoded(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", bool(fusable), need, must, mv, fv, err)
+    return Decoded(OPS[op] if 0 <= op < len(OPS) else f"op#{op}", bool(fusable & 1), need, must, mv, fv, err,
+                   fusable >> 1)  # fmt: skip
 
 
 def _describe(d: Decoded, names: List[str]) -> str:
@@ -136,8 +144,9 @@ def _pretty(name: str, v: int) -> str:
 _RESOLVED: dict = {}  # payloads -> (fuse, need) of an agreeing call: a pure function of the payloads
 
 
-def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int]:
-    """Returns (fuse, need) identically on every rank, or raises the same ValueError on every rank."""
+def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int, int]:
+    """Returns (fuse, need, options) identically on every rank (options: the OPT_* bits every rank
+    set), or raises the same ValueError on every rank."""
     key = tuple(payloads)
     hit = _RESOLVED.get(key)
     if hit is not None:  # NOTE: only agreeing calls are cached; a disagreement is decoded each time
@@ -149,7 +158,7 @@ def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tu
     return out
 
 
-def _resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int]:
+def _resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int, int]:
     ds = [decode(p) for p in payloads]
     bad = [(p, d.error) for p, d in enumerate(ds) if d.error]
     if bad:
@@ -169,7 +178,10 @@ def _resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> T
                 "(except the per-rank N of all-gather-matmul's Bs and K of matmul-reduce-scatter), "
                 "dtypes, dims and reduce op."
             )
-    return all(d.fusable for d in ds), max(d.need for d in ds)
+    options = ds[0].options
+    for d in ds[1:]:
+        options &= d.options
+    return all(d.fusable for d in ds), max(d.need for d in ds), options
 
 
 def _collective_device(pg) -> torch.device:

@@ -320,6 +320,7 @@ def _run(name: str, *args, **kwargs):
         # A bad MPTP_* value is this rank's error: its peers are told where the call checks
         # agreement (a workspace, or MPTP_CHECK_AGREEMENT=1); elsewhere they time out.
         env.timeout_s(), env.reserve_sms(), env.ce_copies_enabled(), env.c_binder_enabled(), env.launch_memo_enabled()
+        env.rs_reduce()
         local_err = None
     except (ValueError, TypeError, IndexError) as e:
         call, local_err = Call(name, error=f"{type(e).__name__}: {e}"), e
@@ -352,8 +353,10 @@ def _run(name: str, *args, **kwargs):
         if not fuse:
             runner, why = None, cost_why
     call.fusable = runner is not None
+    if runner is not None and ws is not None:
+        call.options = runner.options(ws)
 
-    payloads = None
+    payloads, options = None, 0
     what = f"mptp {name} on group {group_name!r}"
     if W > 1 and ws is not None:
         from ..symm.rendezvous import PeerTimeout
@@ -370,7 +373,7 @@ def _run(name: str, *args, **kwargs):
     if payloads is not None:
         rank = ws.rank if ws is not None else dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))
         try:
-            fuse, need = agreement.resolve(call, payloads, rank, group_name)
+            fuse, need, options = agreement.resolve(call, payloads, rank, group_name)
         except ValueError as e:
             if local_err is not None:
                 raise local_err from e
@@ -388,7 +391,7 @@ def _run(name: str, *args, **kwargs):
         _count(name, "fused", A)
         env.log_once((name, "fused"), "%s: fused path", name)
         with _guard(ws, what):
-            return runner(ws)
+            return runner(ws, options)
     _count(name, "reference", A)
     tr = None
     if is_cuda and W > 1:

@@ -7,14 +7,21 @@ All-gather-matmul on rank r of W (streams: main = the caller's, side = copies):
           flag[p] = 1 (memop) ; then signal DONE (I no longer read your buffers)
     main: consumer matmul over chunks r, r+1, ... (waits on flag[c] per chunk)
           -> flags = 0 -> join side
-Matmul-reduce-scatter on rank r:
+Matmul-reduce-scatter on rank r (chunks in the order r+1, r+2, ..., r: its own last):
     main: wait DONE(prev op) -> producer matmul storing chunk c's rows straight
           into slot r of rank c's symm buffer (over NVLink while computing)
-          -> signal READY, wait READY -> out = sum_p slot p of my buffer (fp32,
+    then, where every rank can sum inside the matmul (agreement.OPT_KERNEL_REDUCE; by default
+    where no peer shares the GPU): each chunk's last stored tile flags its arrival in the
+          owner's pad; each tile of r's own chunk, once every peer's partial of it has arrived,
+          is summed (slots 0..W-1, fp32) into out by the program that computed it
+          -> out NaN if a wait timed out, arrival flags zeroed -> signal DONE
+    else: signal READY, wait READY -> out = sum_p slot p of my buffer (fp32,
           rank order) -> signal DONE
-NOTE: the matmul spins only on flags written by copy-engine memops of its own
-process; every cross-rank wait is a tiny kernel launched before the matmul
-holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
+NOTE: the all-gather's matmul spins only on flags written by copy-engine memops of
+its own process, and every other cross-rank wait is a tiny kernel launched before
+the matmul holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
+The reduce-scatter's in-matmul sum waits for the peers' matmuls: only where those
+run on their own GPUs (or, on a loopback group, are earlier tiles of the same launch).
 Flags are reset to 0 after each call and the consumer waits for >= 1, so a
 captured CUDA graph stays correct on replay. Every op waits for DONE first; the
 workspace hands out one DONE credit per peer when it is created, so the first
@@ -26,6 +33,7 @@ call: symm.primitives.finish, one launch that also resets the chunk flags), and 
 
 import functools
 import math
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -35,7 +43,7 @@ from ..kernels import persistent_matmul as pm
 from ..kernels.reduce import reduce_partials
 from ..symm import _C
 from ..symm import primitives as P
-from . import cost, reference, validate
+from . import agreement, cost, reference, validate
 
 CH_READY, CH_DONE = P.CH_READY, P.CH_DONE
 _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -44,6 +52,10 @@ _FUSABLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 MAX_SCATTER_W = 8
 # Output dtypes the fused epilogue writes (FP8 outputs with result_scale, as _scaled_mm).
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Where fused matmul-reduce-scatter calls (CUDA, W > 1, not of the last dim) summed their chunk:
+# "kernel" (inside the matmul) or "pass" (after it and a barrier); tests read it.
+RS_SUMS: Counter = Counter()
 
 _TAG_AG = P.register_tag("fused_all_gather_matmul")
 _TAG_RS = P.register_tag("fused_matmul_reduce_scatter")
@@ -61,8 +73,15 @@ def _common_reason(A: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _runner(fn, work: cost.Work):
+def _no_options(ws) -> int:
+    return 0
+
+
+def _runner(fn, work: cost.Work, options=_no_options):
+    """fn(ws, options): the call on the group's workspace, with the fused-path options every rank
+    can take (agreement.OPT_*); options(ws): those this rank's call can take."""
     fn.work = work
+    fn.options = options
     return fn, None
 
 
@@ -269,14 +288,34 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
                      A.element_size() == 1)  # fmt: skip
     if ref is None:
         ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
-    return _runner(lambda ws: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref), work)
+    return _runner(lambda ws, opts=0: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref),
+                   work)  # fmt: skip
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
 
 
-def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None):
-    """scaled: None or (A_scale, B_scale, bias, out_dtype, fast_accum)."""
+def _rs_options(ws, A, B, scatter_dim, out_shape) -> int:
+    """OPT_KERNEL_REDUCE where this rank can sum its chunk inside the matmul: MPTP_RS_REDUCE allows
+    it here (by default where no peer shares this GPU: SymmetricMemory.kernel_reduce), the scatter
+    is not of the last dim, and the TMA kernel serves the call's A (as _rs_run lays it out) and B."""
+    mode = env.rs_reduce()
+    W = ws.world_size if ws is not None else 1
+    if mode == "pass" or W == 1 or scatter_dim == len(out_shape) - 1 or W > MAX_SCATTER_W:
+        return 0
+    if mode == "auto" and not ws.kernel_reduce:
+        return 0
+    K = A.shape[-1]
+    A2 = A  # as _rs_run lays it out: A itself, a view of it, or a fresh (16-byte aligned) copy
+    if A.dim() > 2 or scatter_dim:
+        Am = A.movedim(scatter_dim, 0)
+        A2 = Am.view(-1, K) if Am.is_contiguous() else torch.empty((Am.numel() // K, K), dtype=A.dtype, device=A.device)
+    return agreement.OPT_KERNEL_REDUCE if pm.reduce_eligible(A2, B) else 0
+
+
+def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=None, opts=0):
+    """scaled: None or (A_scale, B_scale, bias, out_dtype, fast_accum); opts: the agreed options
+    (agreement.OPT_KERNEL_REDUCE: the chunk is summed inside the matmul, every rank does)."""
     if W == 1:  # no communication: the matmul alone ("avg" over one rank is the identity)
         A2 = A.reshape(-1, A.shape[-1])
         if scaled is None:
@@ -306,7 +345,18 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
         [ws.buffers[c][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)[rank] for c in range(W)],
         ws.buffers[rank][: W * Mc * N * elem].view(out_dtype).view(W, Mc, N)))  # fmt: skip
     # guard: the stores into peers' buffers are skipped once a wait has timed out (fail-stop).
-    kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests, err=ws.latch, guard=True)
+    kw = dict(num_chunks=W, order=ws.rs_order, scatter_to=dests, err=ws.latch, guard=True, tag=_TAG_RS,
+              timeout_s=env.timeout_s())  # fmt: skip
+    out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
+    scale = 1.0 / W if reduce_op == "avg" else 1.0
+    in_kernel = bool(opts & agreement.OPT_KERNEL_REDUCE)
+    RS_SUMS["kernel" if in_kernel else "pass"] += 1
+    if in_kernel:
+        # Each tile of this rank's chunk (computed last) is summed with the peers' partials of it
+        # once they have arrived (flags in this rank's pad, set by the peers' matmuls), in slot order:
+        # no barrier, no pass after the matmul.
+        kw["reduce"] = pm.Reduce(rank=rank, slots=mine, out=out, counters=ws.rs_counters, arrive_to=ws.arrive_to,
+                                 arrived=ws.arrived, err=ws.err, scale=scale)  # fmt: skip
     if scaled is None:
         pm.persistent_matmul(A2, [B], **kw)
     else:
@@ -315,10 +365,14 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
         pm.persistent_matmul(A2, [B], A_scale=a_s, B_scales=[B_scale.float()],
                              biases=[bias] if bias is not None else None, out_dtype=out_dtype,
                              fast_accum=fast, **kw)  # fmt: skip
-    ws.barrier(CH_READY, tag=_TAG_RS)
-    out = torch.empty(Mc, N, device=A.device, dtype=out_dtype)
-    reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
-    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
+    if in_kernel:
+        # NaN if a wait timed out; the arrival flags zeroed (before DONE: a peer flags our next
+        # call's chunk only after it has seen DONE from every rank).
+        _finish(ws, [out], ws.arrived)
+    else:
+        ws.barrier(CH_READY, tag=_TAG_RS)
+        reduce_partials(mine, out, scale=scale)
+        _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
     ws.put_signal(CH_DONE)
     if len(lead) == 1:  # a 2-D A scattered along its rows: out is the result
         return out
@@ -376,7 +430,8 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
     out_dtype = scaled_args[3] if scaled_args else A.dtype
     work = cost.Work("rs", A.numel() // K, K, B.shape[1], A.element_size(), out_dtype.itemsize,
                      A.element_size() == 1)  # fmt: skip
-    return _runner(lambda ws: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args), work)
+    return _runner(lambda ws, opts=0: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args, opts),
+                   work, lambda ws: _rs_options(ws, A, B, sd, out_shape))  # fmt: skip
 
 
 # -- layout ---------------------------------------------------------------------------------------

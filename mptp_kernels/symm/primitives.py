@@ -124,6 +124,8 @@ def _error_message(rec, group_name: str = "?", rank: int = -1) -> str:
     what = _TAGS.get(tag, f"tag {tag}")
     if channel == -1:
         detail = f"waiting for chunk {peer} (copied from peer rank {peer}) to arrive"
+    elif channel == CH_ARRIVE:
+        detail = f"waiting for peer rank {peer}'s partial sums of this rank's chunk to arrive"
     else:
         detail = f"waiting for peer rank {peer} on channel {channel}"
     return (
@@ -188,6 +190,9 @@ class _Watchdog:
 
 
 CH_READY, CH_DONE = 1, 2  # used by the ops: data published / finished with peers' buffers
+# Matmul-reduce-scatter's arrival flags (0 / 1, reset by the owner after each call, not counts):
+# slot [CH_ARRIVE][p] of rank c's pad = peer p's partial of chunk c is in c's buffer.
+CH_ARRIVE = 3
 
 
 def _device_id(device: torch.device) -> str:
@@ -352,6 +357,13 @@ class SymmetricMemory:
         _Watchdog.start()
 
     @property
+    def kernel_reduce(self) -> bool:
+        """Whether matmul-reduce-scatter may sum its chunk inside the matmul, whose programs then
+        wait for the peers' partials: only where no peer shares this GPU (a peer's kernel on the
+        same GPU may be time-sliced with ours, or not resident, while we hold the SMs)."""
+        return not self.shares_device
+
+    @property
     def latch(self) -> torch.Tensor:
         """This device's fail latch (fail_latch): guarded writes of a call read it."""
         return fail_latch(self.device)
@@ -363,6 +375,12 @@ class SymmetricMemory:
         # All-gather consumes its own chunk first; reduce-scatter produces the next rank's first.
         self.ag_order = torch.tensor([(r + i) % W for i in range(W)], dtype=torch.int32, device=dev)
         self.rs_order = torch.tensor([(r + 1 + i) % W for i in range(W)], dtype=torch.int32, device=dev)
+        # Matmul-reduce-scatter summed in the matmul (kernel_reduce): finished tiles per chunk (the
+        # kernel's last program of a chunk zeroes its count), where to flag each chunk's arrival
+        # (slot [CH_ARRIVE][this rank] of the chunk owner's pad), and this rank's arrival flags.
+        self.rs_counters = torch.zeros(W, dtype=torch.int32, device=dev)
+        self.arrive_to = self._slot_table[CH_ARRIVE]
+        self.arrived = self.pads[r][CH_ARRIVE * W : (CH_ARRIVE + 1) * W]
         # NOTE: one DONE credit per peer up front, so every op (the first one too,
         # also inside a CUDA graph) waits for DONE before touching a peer's buffer.
         self.put_signal(CH_DONE)
@@ -482,7 +500,7 @@ class SymmetricMemory:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # nobody reads our buffer any more
         self.buffers, self.pads = [], []
-        self._slot_table = self._expected = self.buffer_ptrs = None
+        self._slot_table = self._expected = self.buffer_ptrs = self.arrive_to = self.arrived = None
         self.__dict__.pop("_sig_ptrs", None)
         self.__dict__.pop("_views", None)
         for p in self._opened:

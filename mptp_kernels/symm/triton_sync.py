@@ -51,12 +51,14 @@ def signal_release(ptr, value):
 
 
 @triton.jit
-def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr = 2048):
+def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr = 2048,
+                 CHANNEL: tl.constexpr = -1):
     """Spins (acquire, system scope) until *ptr >= value, at most timeout_ns.
 
     On timeout the first timed-out waiter of the process fills the int32[6]
     error record at err_ptr (csrc/symm/symm.h ErrorRecord: failed=1,
-    channel=-1 (a chunk flag), peer, expected=value, seen, tag = the op's tag)
+    channel=CHANNEL (-1: a chunk flag; a pad channel: a flag of that channel of this
+    rank's signal pad), peer, expected=value, seen, tag = the op's tag)
     and every waiter returns; the host raises from it
     (mptp_kernels.symm.check_errors). A wait that finds the record already
     failed gives up at once, as the C++ wait kernel does, so one dead peer costs
@@ -82,7 +84,7 @@ def wait_acquire(ptr, value, timeout_ns, err_ptr, peer, tag, POLLS: tl.constexpr
                     seen = value  # an earlier wait of this process failed
                 elif _elapsed_ns(start) > timeout_ns:
                     if tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="sys") == 0:
-                        tl.store(err_ptr + 1, -1)
+                        tl.store(err_ptr + 1, CHANNEL)
                         tl.store(err_ptr + 2, peer)
                         tl.store(err_ptr + 3, value)
                         tl.store(err_ptr + 4, seen)

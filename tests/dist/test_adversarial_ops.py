@@ -67,6 +67,26 @@ def test_agreement_payload_fits_with_many_Bs():
     assert d.must_vals == tuple(v for _, v in must) and d.need == 1 << 40 and d.fusable
 
 
+@pytest.mark.parametrize("opts,fusable", [((1, 1, 1), (True, True, True)), ((1, 0, 1), (True, True, True)),
+                                          ((0, 0, 0), (True, True, True)), ((1, 1), (True, False))])
+def test_fused_path_options_are_taken_only_where_every_rank_can(opts, fusable):
+    """Call.options (the reduce-scatter's in-matmul sum) travels with the signature, apart from
+    `fusable`: every rank resolves the AND of them, and a rank that cannot fuse stays unfused."""
+    from mptp_kernels.ops import agreement
+    from mptp_kernels.ops.agreement import Call
+
+    must = [("out.dtype", 1), ("scatter_dim", 0)]
+    calls = [Call("fused_matmul_reduce_scatter", must, [("K", 8)], fusable=f, need=64, options=o)
+             for o, f in zip(opts, fusable)]  # fmt: skip
+    payloads = [c.encode() for c in calls]
+    for c, b in zip(calls, payloads):
+        d = agreement.decode(b)
+        assert (d.fusable, d.options) == (c.fusable, c.options)
+    want = (all(fusable), 64, int(all(opts)) * agreement.OPT_KERNEL_REDUCE)
+    for rank in range(len(calls)):
+        assert agreement.resolve(calls[rank], payloads, rank, "g") == want
+
+
 def test_every_dtype_has_its_own_agreement_code():
     """Unknown dtypes shared one code: complex64 vs complex128 passed the check and gloo aborted."""
     from mptp_kernels.ops.agreement import dtype_code

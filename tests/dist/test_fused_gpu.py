@@ -398,3 +398,76 @@ def test_rank_that_never_joins_makes_others_raise():
     finally:
         w.close()
     assert msgs[0] is not None
+
+
+# -- the reduce-scatter's sum inside the matmul (MPTP_RS_REDUCE) --------------------------------------
+# By default a GPU its ranks share sums after the matmul and a barrier (pass); "kernel" forces the
+# in-matmul sum here, so that it runs across processes on the one GPU these tests have (its waits
+# are then for a time-sliced peer's kernel: slow, but every result must be right).
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def kernel_reduce_workers(request):
+    w = Workers(request.param, backend="gloo", env={**ENV, "MPTP_RS_REDUCE": "kernel"})
+    w.run(_enable)
+    yield w
+    w.close()
+
+
+def _summed(where, fn, *args):
+    """fn(*args) on this rank; every fused reduce-scatter call of it summed `where`."""
+    from mptp_kernels.ops.fused import RS_SUMS
+
+    before = dict(RS_SUMS)
+    out = fn(*args)
+    grew = {k: RS_SUMS[k] - before.get(k, 0) for k in ("kernel", "pass")}
+    other = "pass" if where == "kernel" else "kernel"
+    assert grew[where] >= 1 and grew[other] == 0, f"sums taken: {grew}, expected all {where!r}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,scatter_dim,N,reduce_op",
+                         [((128, 512), 0, 384, "sum"), ((100, 256), 0, 136, "avg"), ((2, 64, 256), 1, 200, "sum"),
+                          ((512, 256), 0, 1024, "avg")])  # fmt: skip
+def test_reduce_scatter_summed_in_the_matmul(kernel_reduce_workers, dtype, shape, scatter_dim, N, reduce_op):
+    kernel_reduce_workers.run(_summed, "kernel", _rs, SEED, shape, scatter_dim, N, reduce_op, dtype)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("with_bias,out_dtype", [(False, torch.bfloat16), (True, torch.float32)])
+def test_scaled_reduce_scatter_summed_in_the_matmul(kernel_reduce_workers, mode, with_bias, out_dtype):
+    kernel_reduce_workers.run(_summed, "kernel", _rs_scaled, SEED, (96, 256), 136, mode, with_bias, out_dtype)
+
+
+def test_in_matmul_sum_in_cuda_graph_replays_equals_eager(kernel_reduce_workers):
+    """The arrival flags are zeroed inside the captured call: every replay waits anew."""
+    kernel_reduce_workers.run(_summed, "kernel", _graph, SEED, 30, timeout_s=600)
+
+
+def test_in_matmul_sum_back_to_back_calls(kernel_reduce_workers):
+    kernel_reduce_workers.run(_summed, "kernel", _stress, SEED, 300, timeout_s=600)
+
+
+def _rs_env_per_rank(seed, values):
+    import os
+
+    os.environ["MPTP_RS_REDUCE"] = values[dist.get_rank()]
+    try:
+        return _summed("pass", _rs, seed, (128, 512), 0, 384, "sum", torch.bfloat16)
+    finally:
+        os.environ["MPTP_RS_REDUCE"] = "kernel"
+
+
+def test_ranks_that_cannot_all_sum_in_the_matmul_all_sum_after_it(kernel_reduce_workers):
+    """One rank may not sum in the matmul (here MPTP_RS_REDUCE=pass on the last rank; elsewhere a
+    misaligned A, or a GPU shared with a peer): the protocols differ (arrival flags against a
+    barrier), so the ranks agree on the pass, and the results are right."""
+    W = kernel_reduce_workers.world_size
+    kernel_reduce_workers.run(_rs_env_per_rank, SEED, ["kernel"] * (W - 1) + ["pass"])
+
+
+def test_a_shared_gpu_sums_after_the_matmul_by_default(fused_workers):
+    if fused_workers.world_size == 1:
+        pytest.skip("W=1 does not reduce")
+    fused_workers.run(_summed, "pass", _rs, SEED, (128, 512), 0, 384, "sum", torch.bfloat16)

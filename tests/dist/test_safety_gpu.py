@@ -221,15 +221,20 @@ def _stalled_peer(seed, op):
     return _expect(RuntimeError, call, "timed out", "MPTP_TIMEOUT_S", f"rank {r}")
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("op", ["ag", "rs", "rs-in-matmul"])
 def test_timed_out_call_returns_nan_and_the_next_call_raises(op):
-    w = Workers(2, backend="gloo", env={**ENV, "MPTP_TIMEOUT_S": "2"})
+    """rs-in-matmul: the reduce-scatter summed inside the matmul (MPTP_RS_REDUCE=kernel), whose
+    programs wait for the stalled peer's partials: the wait times out there."""
+    extra = {"MPTP_RS_REDUCE": "kernel"} if op == "rs-in-matmul" else {}
+    w = Workers(2, backend="gloo", env={**ENV, "MPTP_TIMEOUT_S": "2", **extra})
     try:
         w.run(_enable)
-        msgs = w.run(_stalled_peer, SEED, op, timeout_s=120)
+        msgs = w.run(_stalled_peer, SEED, op.split("-")[0], timeout_s=120)
     finally:
         w.close()
     assert msgs[0] is not None
+    if op == "rs-in-matmul":
+        assert "peer rank 1's partial sums of this rank's chunk" in msgs[0], msgs[0]
 
 
 def _slow_not_dead_peer(seed, op, path):

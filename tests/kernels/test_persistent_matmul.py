@@ -224,6 +224,158 @@ TMA_KERNELS = ["tma", "tma_flat"]
 TMA_DTYPES = [torch.float16, FP8] + ([torch.bfloat16] if CUDA else [])
 
 
+def _scaled_inputs(M, K, N, dtype, seed):
+    """A, B and (for FP8) row-wise scales and a bias, as matmul-reduce-scatter's ranks pass them."""
+    A, (B,) = _inputs(M, K, (N,), dtype, seed, col_major_b=dtype == FP8)
+    if dtype != FP8:
+        return A, B, {}, A.double().cpu() @ B.double().cpu()
+    A_scale = (randn((M, 1), seed + 7).abs() + 0.5).to(DEV)
+    B_scale = (randn((1, N), seed + 8).abs() + 0.5).to(DEV)
+    bias = randn((N,), seed + 9).to(DEV, torch.float16)
+    ref = (A.double().cpu() * A_scale.double().cpu()) @ (B.double().cpu() * B_scale.double().cpu())
+    return A, B, dict(A_scale=A_scale, B_scales=[B_scale], biases=[bias]), ref + bias.double().cpu()
+
+
+@pytest.mark.parametrize("kernel", TMA_KERNELS)
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
+@pytest.mark.parametrize("W,M,K,N", [(3, 96, 64, 56), (4, 160, 48, 40)])
+def test_tma_scatter_stores_each_chunk_to_its_buffer(kernel, dtype, W, M, K, N):
+    """scatter_to on the TMA kernel: chunk c's rows land in buffer c, renumbered from 0, while the
+    row-wise A scale is still read at the chunk's rows of A; no other buffer row is touched."""
+    A, B, kw, ref = _scaled_inputs(M, K, N, dtype, SEED)
+    out_dtype = torch.float16 if dtype == FP8 else dtype
+    Mc = M // W
+    dests = [torch.full((Mc + 1, N), 7.0, device=DEV, dtype=out_dtype) for _ in range(W)]  # one guard row
+    order = torch.tensor([(1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+    for d in dests:
+        d[:Mc] = float("nan")
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[d[:Mc] for d in dests], kernel=kernel,
+                         out_dtype=out_dtype, **kw)  # fmt: skip
+    for c in range(W):
+        assert torch.all(dests[c][Mc] == 7.0), "a store past the chunk's rows"
+        rows = slice(c * Mc, (c + 1) * Mc)
+        assert_matmul_close(dests[c][:Mc], ref[rows], ref[rows].to(out_dtype), k=3.0, atol=1e-4)
+
+
+def _reduce_case(W, rank, M, N, out_dtype, scale, seed):
+    """This rank's buffer [W, M // W, N] with the peers' partials in (the own slot NaN), the
+    arrival flags pre-set (the interpreter runs programs one by one: nothing may wait), and the
+    flags the launch must set in the owners' pads (`peer_flags`, one per chunk)."""
+    Mc = M // W
+    slots = torch.full((W, Mc, N), float("nan"), device=DEV, dtype=out_dtype)
+    for p in range(W):
+        if p != rank:
+            slots[p] = randn((Mc, N), seed + 100 + p, scale=4.0).to(DEV, out_dtype)
+    peer_flags = torch.zeros(W, dtype=torch.int32, device=DEV)
+    arrive_to = torch.tensor([peer_flags.data_ptr() + 4 * c for c in range(W)], dtype=torch.int64, device=DEV)
+    arrived = torch.tensor([0 if p == rank else 1 for p in range(W)], dtype=torch.int32, device=DEV)
+    out = torch.full((Mc, N), float("nan"), device=DEV, dtype=out_dtype)
+    red = pm.Reduce(rank=rank, slots=slots, out=out, counters=torch.zeros(W, dtype=torch.int32, device=DEV),
+                    arrive_to=arrive_to, arrived=arrived, err=torch.zeros(6, dtype=torch.int32, device=DEV),
+                    scale=scale)  # fmt: skip
+    return red, peer_flags
+
+
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
+@pytest.mark.parametrize("W,M,K,N", [(2, 64, 32, 48), (3, 96, 64, 40), (4, 160, 48, 72)])
+@pytest.mark.parametrize("scale", [1.0, "avg"])
+def test_tma_reduce_sums_the_chunk_in_the_matmul(dtype, W, M, K, N, scale):
+    """reduce=: every rank's order ends with its own chunk; that chunk's partial goes to its slot,
+    and out = scale * the fp32 sum of the W slots in slot order (bit for bit what
+    reduce_partials computes from the same slots); every other chunk goes to its owner and its
+    arrival is flagged once; the tile counters are left zero for the next launch."""
+    A, B, kw, ref = _scaled_inputs(M, K, N, dtype, SEED)
+    out_dtype = torch.float16 if dtype == FP8 else dtype
+    s = 1.0 / W if scale == "avg" else 1.0
+    Mc = M // W
+    for rank in range(W):
+        red, peer_flags = _reduce_case(W, rank, M, N, out_dtype, s, SEED + rank)
+        peers_before = red.slots.clone()
+        dests = [torch.full((Mc, N), float("nan"), device=DEV, dtype=out_dtype) for _ in range(W)]
+        dests[rank] = red.slots[rank]
+        order = torch.tensor([(rank + 1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+        (out,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red,
+                                      kernel="tma", out_dtype=out_dtype, **kw)  # fmt: skip
+        assert out is red.out
+        for c in range(W):
+            rows = slice(c * Mc, (c + 1) * Mc)
+            got = red.slots[rank] if c == rank else dests[c]
+            assert_matmul_close(got, ref[rows], ref[rows].to(out_dtype), k=3.0, atol=1e-4)
+        for p in range(W):  # the peers' slots are read, never written
+            if p != rank:
+                assert torch.equal(red.slots[p], peers_before[p])
+        want = torch.zeros(Mc, N, dtype=torch.float32)
+        for p in range(W):
+            want += red.slots[p].cpu().float()
+        want = (want * s).to(out_dtype)
+        assert torch.equal(out.cpu(), want), f"rank {rank}: not the slot-order fp32 sum"
+        assert peer_flags.tolist() == [0 if c == rank else 1 for c in range(W)]
+        assert red.counters.tolist() == [0] * W and red.err.tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_guarded_reduce_neither_stores_nor_flags_once_the_latch_is_set(failed):
+    """guard=True with reduce: a launch that starts with the latch set stores no partial into a
+    peer's buffer and flags no chunk as arrived (a peer would sum what was never sent); with
+    it clear, every peer's chunk is stored and flagged."""
+    W, M, K, N, rank = 3, 96, 32, 40, 2
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    red, peer_flags = _reduce_case(W, rank, M, N, torch.float16, 1.0, SEED)
+    dests = [torch.full((M // W, N), 7.0, device=DEV, dtype=torch.float16) for _ in range(W)]
+    dests[rank] = red.slots[rank]
+    order = torch.tensor([(rank + 1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+    latch = torch.tensor([failed, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEV)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red, err=latch, guard=True,
+                         kernel="tma")  # fmt: skip
+    peers = [c for c in range(W) if c != rank]
+    if failed:
+        assert peer_flags.tolist() == [0] * W
+        assert all(torch.all(dests[c] == 7.0) for c in peers)
+    else:
+        assert peer_flags.tolist() == [int(c != rank) for c in range(W)]
+        assert not any(torch.any(dests[c] == 7.0) for c in peers)
+    assert red.counters.tolist() == [0] * W
+
+
+def test_reduce_refuses_what_it_cannot_serve():
+    W, M, K, N = 2, 64, 32, 48
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    red, _ = _reduce_case(W, 0, M, N, torch.float16, 1.0, SEED)
+    dests = [red.slots[0], torch.empty(M // W, N, device=DEV, dtype=torch.float16)]
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="reduce needs scatter_to"):
+        pm.persistent_matmul(A, [B], num_chunks=W, order=order, reduce=red)
+    with pytest.raises(ValueError, match="reduce needs the TMA kernel"):
+        pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red, kernel="pointer")
+    with pytest.raises(ValueError, match="reduce needs the TMA kernel"):  # rows not 16-byte aligned
+        A_odd = torch.empty(M, K + 1, device=DEV, dtype=torch.float16)[:, :K].copy_(A)
+        pm.persistent_matmul(A_odd, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red)
+    assert not pm.reduce_eligible(A_odd, B)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: a flag that is never set, and globaltimer")
+def test_reduce_timeout_fills_the_error_record_and_gives_up():
+    """One peer's partial never arrives: after timeout_s the record names the arrival channel, the
+    peer and the tag, and the launch ends (the caller poisons out from the record)."""
+    import time
+
+    W, M, K, N, tag = 4, 4096, 256, 4096, 13
+    A, (B,) = _inputs(M, K, (N,), torch.bfloat16, SEED)
+    rank = 1
+    red, peer_flags = _reduce_case(W, rank, M, N, torch.bfloat16, 1.0, SEED)
+    red.arrived[3] = 0
+    dests = [torch.empty(M // W, N, device=DEV, dtype=torch.bfloat16) for _ in range(W)]
+    dests[rank] = red.slots[rank]
+    order = torch.tensor([(rank + 1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red, timeout_s=0.5, tag=tag)
+    torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 10.0
+    assert red.err.tolist() == [1, 3, 3, 1, 0, tag]
+    assert red.counters.tolist() == [0] * W and peer_flags.tolist() == [1, 0, 1, 1]
+
+
 @pytest.mark.parametrize("kernel", TMA_KERNELS)
 @pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
 @pytest.mark.parametrize("W,M,K,N", [(1, 72, 48, 40), (3, 96, 64, 56), (4, 160, 80, 24)])

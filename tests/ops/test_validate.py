@@ -171,20 +171,22 @@ def test_integer_avg_reduce_scatter_keeps_the_dtype(pg1):
                                        ("MPTP_ASYNC_ERROR_HANDLING", "3"), ("MPTP_ASYNC_ERROR_HANDLING", "x"),
                                        ("MPTP_RESERVE_SMS", "0"), ("MPTP_RESERVE_SMS", "65"),
                                        ("MPTP_RESERVE_SMS", "some"), ("MPTP_CE_COPIES", "maybe"),
-                                       ("MPTP_C_BINDER", "later"), ("MPTP_LAUNCH_MEMO", "sometimes")])  # fmt: skip
+                                       ("MPTP_C_BINDER", "later"), ("MPTP_LAUNCH_MEMO", "sometimes"),
+                                       ("MPTP_RS_REDUCE", "1"), ("MPTP_RS_REDUCE", "epilogue")])  # fmt: skip
 def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
     from mptp_kernels import env
 
     monkeypatch.setenv(var, value)
     fn = {"MPTP_TIMEOUT_S": env.timeout_s, "MPTP_ASYNC_ERROR_HANDLING": env.async_error_handling,
           "MPTP_RESERVE_SMS": env.reserve_sms, "MPTP_CE_COPIES": env.ce_copies_enabled,
-          "MPTP_C_BINDER": env.c_binder_enabled, "MPTP_LAUNCH_MEMO": env.launch_memo_enabled}[var]  # fmt: skip
+          "MPTP_C_BINDER": env.c_binder_enabled, "MPTP_LAUNCH_MEMO": env.launch_memo_enabled,
+          "MPTP_RS_REDUCE": env.rs_reduce}[var]  # fmt: skip
     with pytest.raises(ValueError, match=var):
         fn()
 
 
 @pytest.mark.parametrize("var,value", [("MPTP_RESERVE_SMS", "200"), ("MPTP_CE_COPIES", "perhaps"),
-                                       ("MPTP_C_BINDER", "2"), ("MPTP_LAUNCH_MEMO", "2")])
+                                       ("MPTP_C_BINDER", "2"), ("MPTP_LAUNCH_MEMO", "2"), ("MPTP_RS_REDUCE", "on")])
 def test_a_bad_environment_value_is_raised_before_any_communication(pg1, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     A, B = torch.randn(4, 8), torch.randn(8, 6)
