@@ -85,13 +85,29 @@ def loopback_op(group_name, W, M, N, K):
 
     # reduce_only: the fused path's own reduction of this rank's chunk (W partials, fp32 sums, the
     # kernel the op runs after its barrier): what hiding the reduction could save at most.
-    # mptp_pass: the op with MPTP_RS_REDUCE=pass (the sum after the matmul and a barrier), where
-    # "mptp" sums inside the matmul (a loopback group does by default); fused only if "mptp" is.
+    # mptp_pass: the op with MPTP_RS_REDUCE=pass (the sum after the matmul and a barrier); "mptp"
+    # is what the op does by default. The variants below are timed only where "mptp" is fused.
     fns = {"mptp": fn, "matmul_only": lambda: torch.mm(A, B, out=C), "comm_only": comm_only,
            "copy_cublas": copy_cublas, "reduce_only": lambda: reduce_partials(slots, out)}  # fmt: skip
+    # mptp_kernel: MPTP_RS_REDUCE=kernel; mptp_pointer: the sum after the matmul, whose kernel is
+    # the pointer one (pm.USE_TMA off for the call: the reduce-scatter's matmul before 8dadce7).
     if path == "fused":
         fns["mptp_pass"] = _with_env("MPTP_RS_REDUCE", "pass", fn)
+        fns["mptp_kernel"] = _with_env("MPTP_RS_REDUCE", "kernel", fn)
+        fns["mptp_pointer"] = _without_tma(fn)
     return with_graphs(fns), {"timed": "op", "path": path}
+
+
+def _without_tma(fn):
+    def call():
+        old = pm.USE_TMA
+        pm.USE_TMA = False
+        try:
+            return fn()
+        finally:
+            pm.USE_TMA = old
+
+    return call
 
 
 def _with_env(var, value, fn):

@@ -360,7 +360,7 @@ def _wait_partials(arrived, W, rank, timeout_ns, err_ptr, tag, CHANNEL: tl.const
 
 
 @triton.jit
-def _reduce_tile(SLOTS, OUT, red_scale, W, chunk_m, N, off_m, off_n, E5M2_INF: tl.constexpr,
+def _reduce_tile(SLOTS, OUT, red_scale, W: tl.constexpr, chunk_m, N, off_m, off_n, E5M2_INF: tl.constexpr,
                  SOFT_FP8: tl.constexpr, SUB_M: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):  # fmt: skip
     """OUT[tile] = red_scale * sum over p = 0 .. W-1 of SLOTS[p][tile] in fp32, in slot order (as
@@ -376,7 +376,9 @@ def _reduce_tile(SLOTS, OUT, red_scale, W, chunk_m, N, off_m, off_n, E5M2_INF: t
         offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         ptrs = SLOTS + offs
         tot = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, W):
+        # NOTE: unrolled (W is a constexpr): the W loads are independent and go out together, where
+        # a loop waits for each in turn (one program per SM: memory-level parallelism is the speed).
+        for _ in tl.static_range(W):
             # .cg: a peer's partial, written over NVLink, is read from L2, never from a stale L1 line.
             tot += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             ptrs += step
