@@ -13,6 +13,9 @@ Loopback op (one GPU, one process):  python bench/bench_matmul_reduce_scatter.py
       comm_only     the W-1 chunk copies (copy engine) a reduce-scatter would send, then
                     the sum of the W partials of this rank's chunk (torch.sum), NCCL-free
       copy_cublas   torch.mm, then comm_only (what a user would run instead)
+      reduce_only   the op's own reduction of one chunk (what hiding it could save at most)
+      mptp_kernel   the op with MPTP_RS_REDUCE=kernel (the sum inside the matmul)
+      mptp_pointer  the op with its matmul on the pointer kernel (as before 8dadce7)
 Loopback pipeline (one GPU):        python bench/bench_matmul_reduce_scatter.py --mode loopback
     Not the op: rank 0 of W simulated ranks assembled by hand. The producer kernel
     stores chunk c of its partial product straight into slot 0 of "rank c's" buffer
@@ -85,14 +88,13 @@ def loopback_op(group_name, W, M, N, K):
 
     # reduce_only: the fused path's own reduction of this rank's chunk (W partials, fp32 sums, the
     # kernel the op runs after its barrier): what hiding the reduction could save at most.
-    # mptp_pass: the op with MPTP_RS_REDUCE=pass (the sum after the matmul and a barrier); "mptp"
-    # is what the op does by default. The variants below are timed only where "mptp" is fused.
+    # Variants of "mptp" (the op as it runs by default: the sum after the matmul and a barrier),
+    # timed only where "mptp" is fused:
     fns = {"mptp": fn, "matmul_only": lambda: torch.mm(A, B, out=C), "comm_only": comm_only,
            "copy_cublas": copy_cublas, "reduce_only": lambda: reduce_partials(slots, out)}  # fmt: skip
-    # mptp_kernel: MPTP_RS_REDUCE=kernel; mptp_pointer: the sum after the matmul, whose kernel is
-    # the pointer one (pm.USE_TMA off for the call: the reduce-scatter's matmul before 8dadce7).
+    # mptp_kernel: MPTP_RS_REDUCE=kernel (the sum inside the matmul); mptp_pointer: the matmul on
+    # the pointer kernel (pm.USE_TMA off for the call: the reduce-scatter's matmul before 8dadce7).
     if path == "fused":
-        fns["mptp_pass"] = _with_env("MPTP_RS_REDUCE", "pass", fn)
         fns["mptp_kernel"] = _with_env("MPTP_RS_REDUCE", "kernel", fn)
         fns["mptp_pointer"] = _without_tma(fn)
     return with_graphs(fns), {"timed": "op", "path": path}

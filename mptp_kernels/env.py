@@ -25,11 +25,13 @@ MPTP_CE_COPIES       0: never ask for copy-engine chunk copies in the fused all-
 MPTP_RESERVE_SMS     SMs the all-gather consumer leaves free for chunk copies that may run as
                      kernels where a peer shares this GPU, 1 to 64 (default 8; at most 2 where
                      the copies asked for a copy engine).
-MPTP_RS_REDUCE       where the fused matmul-reduce-scatter sums its chunk: "auto" (default) inside
-                     the matmul wherever no peer shares this GPU (and on loopback groups), else
-                     in a pass after it and a barrier; "kernel": inside the matmul even on a GPU
-                     the ranks share (their kernels may then be time-sliced: slow; tests); "pass":
-                     always after. The ranks take the in-matmul sum only if all can.
+MPTP_RS_REDUCE       where the fused matmul-reduce-scatter sums its chunk: "pass" (default) after
+                     the matmul and a barrier, by one memory-bound kernel over every SM;
+                     "kernel": inside the matmul, each tile of the rank's own chunk summed by the
+                     program that computed it once the peers' partials have arrived (no barrier,
+                     no pass; measured 0-6% slower on one H100, bench/NOTES.md item 22; on a GPU
+                     the ranks share, their kernels are then time-sliced: slow). The ranks take
+                     the in-matmul sum only if all can.
 MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 """
 
@@ -104,10 +106,10 @@ def launch_memo_enabled() -> bool:
 
 
 def rs_reduce() -> str:
-    """MPTP_RS_REDUCE: "auto", "kernel" or "pass" (see the module docstring)."""
-    raw = os.environ.get("MPTP_RS_REDUCE", "").strip().lower() or "auto"
-    if raw not in ("auto", "kernel", "pass"):
-        raise ValueError(f"MPTP_RS_REDUCE: expected auto, kernel or pass, got {raw!r}")
+    """MPTP_RS_REDUCE: "pass" or "kernel" (see the module docstring)."""
+    raw = os.environ.get("MPTP_RS_REDUCE", "").strip().lower() or "pass"
+    if raw not in ("pass", "kernel"):
+        raise ValueError(f"MPTP_RS_REDUCE: expected pass or kernel, got {raw!r}")
     return raw
 
 

@@ -433,9 +433,9 @@ def _persistent_matmul_tma_kernel(
     own tile is computed: the peers' last partials land while it is), the program sums the W
     slots of the tile in slot order and stores it to OUT ([chunk_m, N]). A wait that times out
     fills red_err (the process's error record; the caller poisons OUT after the launch).
-    NOTE: those waits are for other GPUs' kernels (or, on a loopback group, for earlier tiles of
-    this launch); a GPU shared by ranks' processes does not take PRODUCE 2 (SymmetricMemory.
-    kernel_reduce).
+    NOTE: those waits are for other GPUs' kernels, or for other processes' kernels time-sliced
+    with this one on a GPU they share, or (a loopback group) for earlier tiles of this launch;
+    each is bounded by timeout_ns.
 
     NOTE: a tile may load rows past its chunk (another chunk's, maybe not yet
     arrived); they only feed output rows that the masked store drops.

@@ -10,8 +10,8 @@ All-gather-matmul on rank r of W (streams: main = the caller's, side = copies):
 Matmul-reduce-scatter on rank r (chunks in the order r+1, r+2, ..., r: its own last):
     main: wait DONE(prev op) -> producer matmul storing chunk c's rows straight
           into slot r of rank c's symm buffer (over NVLink while computing)
-    then, where every rank can sum inside the matmul (agreement.OPT_KERNEL_REDUCE; by default
-    where no peer shares the GPU): each chunk's last stored tile flags its arrival in the
+    then, where every rank can sum inside the matmul (agreement.OPT_KERNEL_REDUCE, with
+    MPTP_RS_REDUCE=kernel; off by default: measured slower): each chunk's last stored tile flags its arrival in the
           owner's pad; each tile of r's own chunk, once every peer's partial of it has arrived,
           is summed (slots 0..W-1, fp32) into out by the program that computed it
           -> out NaN if a wait timed out, arrival flags zeroed -> signal DONE
@@ -20,8 +20,9 @@ Matmul-reduce-scatter on rank r (chunks in the order r+1, r+2, ..., r: its own l
 NOTE: the all-gather's matmul spins only on flags written by copy-engine memops of
 its own process, and every other cross-rank wait is a tiny kernel launched before
 the matmul holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
-The reduce-scatter's in-matmul sum waits for the peers' matmuls: only where those
-run on their own GPUs (or, on a loopback group, are earlier tiles of the same launch).
+The reduce-scatter's in-matmul sum waits for the peers' matmuls: where they share this
+GPU (or, on a loopback group, are earlier tiles of the same launch) it relies on their
+kernels being time-sliced with this one, and every wait is bounded (NaN and an error).
 Flags are reset to 0 after each call and the consumer waits for >= 1, so a
 captured CUDA graph stays correct on replay. Every op waits for DONE first; the
 workspace hands out one DONE credit per peer when it is created, so the first
@@ -296,14 +297,11 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
 
 
 def _rs_options(ws, A, B, scatter_dim, out_shape) -> int:
-    """OPT_KERNEL_REDUCE where this rank can sum its chunk inside the matmul: MPTP_RS_REDUCE allows
-    it here (by default where no peer shares this GPU: SymmetricMemory.kernel_reduce), the scatter
-    is not of the last dim, and the TMA kernel serves the call's A (as _rs_run lays it out) and B."""
-    mode = env.rs_reduce()
+    """OPT_KERNEL_REDUCE where this rank can sum its chunk inside the matmul: MPTP_RS_REDUCE=kernel
+    here, the scatter is not of the last dim, and the TMA kernel serves the call's A (as _rs_run
+    lays it out) and B."""
     W = ws.world_size if ws is not None else 1
-    if mode == "pass" or W == 1 or scatter_dim == len(out_shape) - 1 or W > MAX_SCATTER_W:
-        return 0
-    if mode == "auto" and not ws.kernel_reduce:
+    if env.rs_reduce() != "kernel" or W == 1 or scatter_dim == len(out_shape) - 1 or W > MAX_SCATTER_W:
         return 0
     K = A.shape[-1]
     A2 = A  # as _rs_run lays it out: A itself, a view of it, or a fresh (16-byte aligned) copy

@@ -68,12 +68,6 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self._slot_table = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self._expected = torch.zeros(P.NUM_CHANNELS, W, dtype=torch.int32, device=self.device)
 
-    @property
-    def kernel_reduce(self) -> bool:
-        """The reduce-scatter's sum in the matmul: here its waits are for flags that earlier tiles
-        of the same launch set (every chunk is this process's), as a peer's GPU would set them."""
-        return True
-
     def mirror_local(self) -> None:
         """Copies this rank's buffer into every peer's, so that the chunks an all-gather pulls hold
         data like this rank's (a matmul over zeros runs faster than over real data: times would

@@ -357,13 +357,6 @@ class SymmetricMemory:
         _Watchdog.start()
 
     @property
-    def kernel_reduce(self) -> bool:
-        """Whether matmul-reduce-scatter may sum its chunk inside the matmul, whose programs then
-        wait for the peers' partials: only where no peer shares this GPU (a peer's kernel on the
-        same GPU may be time-sliced with ours, or not resident, while we hold the SMs)."""
-        return not self.shares_device
-
-    @property
     def latch(self) -> torch.Tensor:
         """This device's fail latch (fail_latch): guarded writes of a call read it."""
         return fail_latch(self.device)
@@ -375,7 +368,7 @@ class SymmetricMemory:
         # All-gather consumes its own chunk first; reduce-scatter produces the next rank's first.
         self.ag_order = torch.tensor([(r + i) % W for i in range(W)], dtype=torch.int32, device=dev)
         self.rs_order = torch.tensor([(r + 1 + i) % W for i in range(W)], dtype=torch.int32, device=dev)
-        # Matmul-reduce-scatter summed in the matmul (kernel_reduce): finished tiles per chunk (the
+        # Matmul-reduce-scatter summed in the matmul (MPTP_RS_REDUCE=kernel): finished tiles per chunk (the
         # kernel's last program of a chunk zeroes its count), where to flag each chunk's arrival
         # (slot [CH_ARRIVE][this rank] of the chunk owner's pad), and this rank's arrival flags.
         self.rs_counters = torch.zeros(W, dtype=torch.int32, device=dev)

@@ -401,9 +401,9 @@ def test_rank_that_never_joins_makes_others_raise():
 
 
 # -- the reduce-scatter's sum inside the matmul (MPTP_RS_REDUCE) --------------------------------------
-# By default a GPU its ranks share sums after the matmul and a barrier (pass); "kernel" forces the
-# in-matmul sum here, so that it runs across processes on the one GPU these tests have (its waits
-# are then for a time-sliced peer's kernel: slow, but every result must be right).
+# By default the sum runs after the matmul and a barrier (pass); "kernel" sums inside the matmul,
+# here across processes on the one GPU these tests have (its waits are then for a time-sliced
+# peer's kernel: slow, but every result must be right).
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -467,7 +467,7 @@ def test_ranks_that_cannot_all_sum_in_the_matmul_all_sum_after_it(kernel_reduce_
     kernel_reduce_workers.run(_rs_env_per_rank, SEED, ["kernel"] * (W - 1) + ["pass"])
 
 
-def test_a_shared_gpu_sums_after_the_matmul_by_default(fused_workers):
+def test_the_reduce_scatter_sums_after_the_matmul_by_default(fused_workers):
     if fused_workers.world_size == 1:
         pytest.skip("W=1 does not reduce")
     fused_workers.run(_summed, "pass", _rs, SEED, (128, 512), 0, 384, "sum", torch.bfloat16)

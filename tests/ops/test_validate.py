@@ -172,7 +172,7 @@ def test_integer_avg_reduce_scatter_keeps_the_dtype(pg1):
                                        ("MPTP_RESERVE_SMS", "0"), ("MPTP_RESERVE_SMS", "65"),
                                        ("MPTP_RESERVE_SMS", "some"), ("MPTP_CE_COPIES", "maybe"),
                                        ("MPTP_C_BINDER", "later"), ("MPTP_LAUNCH_MEMO", "sometimes"),
-                                       ("MPTP_RS_REDUCE", "1"), ("MPTP_RS_REDUCE", "epilogue")])  # fmt: skip
+                                       ("MPTP_RS_REDUCE", "1"), ("MPTP_RS_REDUCE", "auto")])  # fmt: skip
 def test_bad_environment_values_name_the_variable(monkeypatch, var, value):
     from mptp_kernels import env
 
