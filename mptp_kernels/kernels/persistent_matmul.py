@@ -818,18 +818,21 @@ def persistent_matmul(
     memo = None
     if MEMO is None:
         _memo_setting()
-    if (MEMO and kernel != "pointer" and scatter_to is None and len(Bs) == 1 and (outs is None or len(outs) == 1)
-            and _memo_device(A)):  # fmt: skip
-        memo = _memo_key(A, Bs[0], outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order,
+    if (MEMO and kernel != "pointer" and reduce is None and len(Bs) == 1 and (outs is None or len(outs) == 1)
+            and (scatter_to is None or (outs is None and 1 <= len(scatter_to) <= 8)) and _memo_device(A)):  # fmt: skip
+        # NOTE: a scatter's destinations are part of the key (their addresses are bound in the entry);
+        # its first one stands for the output, as in the full path.
+        m_outs = outs if scatter_to is None else [scatter_to[0]]
+        memo = _memo_key(A, Bs[0], m_outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order,
                          flags, epoch, mode, timeout_s, err, config, num_sms, kernel, result_scale, tag, poison,
-                         guard, stream_k)  # fmt: skip
+                         guard, stream_k, scatter_to)  # fmt: skip
         if memo is not None:
             try:
                 hit = _MEMO.get(memo)
             except TypeError:  # an unhashable argument: the full path says what is wrong with it
                 hit = memo = None
             if hit is not None:
-                done = _memo_launch(hit, A, Bs[0], outs, err)
+                done = _memo_launch(hit, A, Bs[0], m_outs, err)
                 if done is not None:
                     return done
     assert A.dim() == 2 and 1 <= len(Bs)
@@ -1302,8 +1305,16 @@ def _settings() -> tuple:
 
 
 def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_chunks, order, flags, epoch, mode,
-              timeout_s, err, config, num_sms, kernel, result_scale, tag, poison, guard, stream_k):
+              timeout_s, err, config, num_sms, kernel, result_scale, tag, poison, guard, stream_k, scatter_to=None):
     """The memo key of a call, or None (not memoized: the full path checks and launches it)."""
+    scatter = None
+    if scatter_to is not None:
+        scatter = []
+        for d in scatter_to:
+            if d.__class__ not in _PLAIN or not d.is_contiguous():
+                return None
+            scatter.append((d.data_ptr(), d.shape, d.dtype, d.get_device()))
+        scatter = tuple(scatter)
     if (B_scales is not None and (len(B_scales) != 1 or B_scales[0] is None)) or (
             biases is not None and len(biases) != 1):  # fmt: skip
         return None  # several, or a None scale (the full path refuses it)
@@ -1331,7 +1342,7 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
             None if o is None else (o.data_ptr(), o.shape, o.stride(), o.dtype), *small, out_dtype, fast_accum,
             num_chunks, epoch, mode, timeout_s, config, num_sms, kernel, tag, poison, guard,
             None if stream_k is None else repr(stream_k), torch.cuda.current_device(), _settings(),
-            tuple(x.__class__ for x in scalars))  # fmt: skip
+            tuple(x.__class__ for x in scalars), scatter)  # fmt: skip
 
 
 def _memo_launch(m, A, B, outs, err):

@@ -8,8 +8,10 @@ CUDA-graph capture the host time is not replayed: only GPU time counts.
                                 (eff: FUSED_EFF times the small-N factor, _small_n)
                                 (a GPU shared by the ranks: matmul / (eff * free SMs) + comm)
     GPU, unfused all-gather:    comm + matmul
-    GPU, fused reduce-scatter:  matmul / (eff * free SMs) + exposed comm + reduction
-                                (exposed: what outlasts the matmul; all of it on a shared GPU)
+    GPU, fused reduce-scatter:  matmul / (eff * small-N factor) + exposed comm + reduction
+                                (every SM: the producer waits for no copy; exposed: what outlasts
+                                the matmul between GPUs, none on a shared GPU: there the matmul's
+                                own stores are the transfer)
     GPU, unfused reduce-scatter: matmul + comm + reduction
     matmul = 2 M N K / (SMs * per-SM rate);  comm = bytes moved per rank / link bandwidth
 
@@ -134,7 +136,9 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
     """(fused, reference) estimated microseconds per call."""
     W = link.W
     matmul = 2.0 * work.M * work.N * work.K / _rate(work, link) * 1e6
-    free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1)
+    # NOTE: only the all-gather's consumer leaves SMs to copies (reserve_sms); the reduce-scatter's
+    # producer runs on every SM.
+    free = max(link.sms - link.reserve_sms, 1) / max(link.sms, 1) if work.op == "ag" else 1.0
     fused_mm = matmul / (FUSED_EFF * _small_n(work.N) * free)
     bw = BW_SAME_DEVICE if link.shares_device else BW_PEER
     # NOTE: one rank: the reference is a plain matmul (no collective, no layout copies).
@@ -154,8 +158,11 @@ def estimate(work: Work, link: Link, capturing: bool = False) -> Tuple[float, fl
         comm = (W - 1) / W * partial / bw * 1e6
         reduce = (partial + partial / W) / BW_MEMORY * 1e6
         # NOTE: the producer stores each chunk into its owner's buffer while it computes: only
-        # the part of the traffic that outlasts the matmul is exposed (between GPUs).
-        exposed = comm if link.shares_device else max(comm - fused_mm, 0.0)
+        # the part of the traffic that outlasts the matmul is exposed (between GPUs); on a GPU
+        # the ranks share, those stores are local and the matmul's own (no copy follows it).
+        # Fitted on results/h200_cost_model_rs_00c978a.csv (TMA producer, both paths forced, CUDA
+        # graphs): FUSED_EFF with nothing exposed left residuals of -15 to +28 us on 102-1437 us.
+        exposed = 0.0 if link.shares_device else max(comm - fused_mm, 0.0)
         gpu_fused = fused_mm + exposed + reduce + FUSED_FIXED_US["rs"][work.fp8]
         gpu_ref = matmul + comm + reduce + ref_fixed
     if capturing:

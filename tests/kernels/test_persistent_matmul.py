@@ -1383,6 +1383,15 @@ def test_the_launch_memo_gives_the_launcher_what_the_full_path_gives(fake_launch
                                  [b if bad == "B" else buf[: 64 * 32].view(64, 32)], **kw)  # fmt: skip
     o16 = torch.empty(48 * 32 + 1, dtype=torch.float16)
     vs += [(A, Bs, dict(kw, outs=[o16[:-1].view(48, 32)])), (A, Bs, dict(kw, outs=[o16[1:].view(48, 32)]))]
+    # Scatters (the reduce-scatter's producer): the destinations are part of the key; the same
+    # ones in another order, or one of them elsewhere, is another entry.
+    dst = torch.empty(4, 16, 32, dtype=torch.float16)
+    order3 = torch.tensor([1, 2, 0], dtype=torch.int32)
+    sc = dict(kw, num_chunks=3, order=order3)
+    sc.pop("outs", None)
+    vs += [(A, Bs, dict(sc, scatter_to=[dst[0], dst[1], dst[2]])), (A, Bs, dict(sc, scatter_to=[dst[1], dst[0], dst[2]])),
+           (A, Bs, dict(sc, scatter_to=[dst[0], dst[1], dst[3]])),
+           (A, Bs, dict(sc, scatter_to=[dst[0], dst[1], dst[2]], guard=True, err=torch.zeros(6, dtype=torch.int32)))]
     vs += [(buf[: 48 * 64].view(48, 64), Bs, kw), (buf.view(48, 80)[:, :64], Bs, kw),
            (A, [sq], kw), (A, [sq.t()], kw),
            (A, Bs, dict(kw, outs=[o32])), (A, Bs, dict(kw, outs=[o32.view(-1).view(torch.float16)[: 48 * 32].view(48, 32)]))]
@@ -1392,7 +1401,7 @@ def test_the_launch_memo_gives_the_launcher_what_the_full_path_gives(fake_launch
         n = len(k.calls)
         pm.persistent_matmul(A, Bs, **kw)
         # the launcher calls of this variant: the matmul, and a consumer's NaN check
-        fresh = {2, 19, 20} if "outs" not in kw else {19, 20}
+        fresh = {2, 19, 20} if "outs" not in kw and "scatter_to" not in kw else {19, 20}
         full.append((len(k.calls) - n, [_shown(c, fresh) for c in k.calls[n:]], fresh))
     assert not any(hits)
     for i in list(range(len(vs))) + list(reversed(range(len(vs)))):
@@ -1589,7 +1598,7 @@ def test_mptp_launch_memo_switches_the_memo_once(fake_launcher, monkeypatch, val
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: the launch memo's direct launches")
-@pytest.mark.parametrize("kind", ["bf16_split", "bf16_small_n", "fp8_row", "consumer", "given_out"])
+@pytest.mark.parametrize("kind", ["bf16_split", "bf16_small_n", "fp8_row", "consumer", "given_out", "scatter"])
 def test_the_launch_memo_on_a_gpu(monkeypatch, kind):
     """Repeated launches of the same tensors, refilled in place between calls (the memo's hits:
     same addresses, new contents), and a copy at other addresses between them: every result
@@ -1599,7 +1608,7 @@ def test_the_launch_memo_on_a_gpu(monkeypatch, kind):
     real = pm._memo_launch
     monkeypatch.setattr(pm, "_memo_launch", lambda *a: hits.append(real(*a)) or hits[-1])
     M, N, K = {"bf16_split": (4096, 1280, 8192), "bf16_small_n": (8192, 768, 4096), "fp8_row": (4096, 1280, 8192),
-               "consumer": (4096, 1280, 4096), "given_out": (2048, 3584, 4096)}[kind]  # fmt: skip
+               "consumer": (4096, 1280, 4096), "given_out": (2048, 3584, 4096), "scatter": (4096, 1792, 4096)}[kind]  # fmt: skip
     fp8 = kind == "fp8_row"
     A = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
     B = torch.empty(N, K, device=DEV, dtype=torch.bfloat16).t()
@@ -1625,6 +1634,12 @@ def test_the_launch_memo_on_a_gpu(monkeypatch, kind):
         if kind == "given_out":
             out.fill_(float("nan"))
             kw["outs"] = [out]
+        if kind == "scatter":  # chunk c to rows (c + 2) % W of out (the reduce-scatter's producer)
+            out.fill_(float("nan"))
+            dests = list(out.view(W, M // W, N))
+            kw.update(num_chunks=W, order=order, scatter_to=[dests[(c + 2) % W] for c in range(W)])
+            pm.persistent_matmul(A, [B], **kw)
+            return torch.cat([out.view(W, M // W, N)[(c + 2) % W] for c in range(W)])
         (C,) = pm.persistent_matmul(A, [B], **kw)
         return C
 

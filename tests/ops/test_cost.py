@@ -23,6 +23,10 @@ BEFORE = os.path.join(RESULTS, "h100_cost_model_47c8526.csv")
 # time, where the two paths' host times are within 4% of each other on the record), so only
 # their CUDA-graph rows are held.
 EARLIER = [os.path.join(RESULTS, f"h100_cost_model_{c}.csv") for c in ("7f43c97", "1f014ba", "73425a8")]
+# The reduce-scatter's matmul is the TMA kernel since 8dadce7 (the pointer kernel before: the runs
+# above): its rows are held on the run after that change (00c978a, H200, both paths forced), and
+# only the all-gather's rows on the runs above.
+RS_RECORD = os.path.join(RESULTS, "h200_cost_model_rs_00c978a.csv")
 LLAMA_TP8_NK = [(7168, 8192), (8192, 3584), (1280, 8192), (3584, 4096), (4096, 1792), (768, 4096)]
 H200 = dict(sms=132, capability=(9, 0))
 
@@ -40,11 +44,13 @@ def _record(path=RECORD):
     return rows
 
 
-def _picks(path=RECORD, dtypes=("bf16", "fp8_row")):
-    """(case, mode, measured fused, measured reference, the model's pick) per row and mode."""
+def _picks(path=RECORD, dtypes=("bf16", "fp8_row"), ops=None):
+    """(case, mode, measured fused, measured reference, the model's pick) per row and mode; ops:
+    the runs before the reduce-scatter's TMA producer hold their all-gather rows only."""
+    ops = ops or (("ag", "rs") if path == RS_RECORD else ("ag",))
     out = []
     for (op, dtype, W, M, N, K), m in _record(path).items():
-        if dtype not in dtypes:
+        if dtype not in dtypes or op not in ops:
             continue
         fp8 = dtype != "bf16"
         w = Work(op, M, K, N, 1 if fp8 else 2, 2, fp8)
@@ -57,11 +63,13 @@ def _picks(path=RECORD, dtypes=("bf16", "fp8_row")):
 
 
 def test_the_model_picks_well_on_the_run_of_record():
-    """Every row of the run of record (both ops, bf16 and FP8 row-wise, the six Llama-3 TP-8
-    shapes at M = 8192, eager and from CUDA graphs): the path the model picks is at most 10%
-    slower than the faster one from CUDA graphs, and at most 30% in eager, where both paths are
-    host-bound on most rows and the same call's host time varies 20-30% between rows."""
-    picks = _picks()
+    """Every row of the runs of record (the all-gather in bf16 and FP8 row-wise, the
+    reduce-scatter in bf16; the six Llama-3 TP-8 shapes at M = 8192, eager and from CUDA graphs):
+    the path the model picks is at most 10% slower than the faster one from CUDA graphs, and at
+    most 30% in eager, where both paths are host-bound on most rows and the same call's host time
+    varies 20-30% between rows (and between hosts: the reduce-scatter's record ran on a host
+    where its fused eager call cost 1.2x its reference's, the model's host times 0.98x)."""
+    picks = _picks() + _picks(RS_RECORD)
     assert len(picks) == 36, len(picks)
     bad = []
     for case, mode, fused, ref, pick in picks:
@@ -79,7 +87,7 @@ def test_bf16_picks_hold_on_the_run_before():
     """The run before the record (same code for bf16, another machine): within 10% of the faster
     path from CUDA graphs and 30% in eager."""
     picks = _picks(BEFORE, dtypes=("bf16",))
-    assert len(picks) == 24, len(picks)
+    assert len(picks) == 12, len(picks)
     bad = [p for p in picks if _regret(*p[2:]) > (0.10 if p[1] == "graph" else 0.30)]
     assert not bad, bad
 
@@ -90,7 +98,7 @@ def test_graph_picks_hold_on_earlier_runs(path):
     runs. (Their eager rows are not held: those hosts were up to 2x slower and
     noisier, and the eager picks follow the host.)"""
     picks = [p for p in _picks(path) if p[1] == "graph"]
-    assert len(picks) == 18, len(picks)
+    assert len(picks) == 12, len(picks)
     bad = [p for p in picks if _regret(*p[2:]) > 0.10]
     assert not bad, bad
 
