@@ -238,21 +238,24 @@ def _scaled_inputs(M, K, N, dtype, seed):
 
 @pytest.mark.parametrize("kernel", TMA_KERNELS)
 @pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
-@pytest.mark.parametrize("W,M,K,N", [(3, 96, 64, 56), (4, 160, 48, 40)])
-def test_tma_scatter_stores_each_chunk_to_its_buffer(kernel, dtype, W, M, K, N):
+@pytest.mark.parametrize("W,M,K,N,skew", [(3, 96, 64, 56, 0), (4, 160, 48, 40, 0), (3, 96, 64, 56, 1), (2, 64, 32, 8, 3)])
+def test_tma_scatter_stores_each_chunk_to_its_buffer(kernel, dtype, W, M, K, N, skew):
     """scatter_to on the TMA kernel: chunk c's rows land in buffer c, renumbered from 0, while the
-    row-wise A scale is still read at the chunk's rows of A; no other buffer row is touched."""
+    row-wise A scale is still read at the chunk's rows of A; no other buffer row is touched.
+    skew: the buffers start that many elements past a 16-byte boundary (slots of a symmetric
+    buffer whose chunk size is not a multiple of 16 bytes)."""
     A, B, kw, ref = _scaled_inputs(M, K, N, dtype, SEED)
     out_dtype = torch.float16 if dtype == FP8 else dtype
     Mc = M // W
-    dests = [torch.full((Mc + 1, N), 7.0, device=DEV, dtype=out_dtype) for _ in range(W)]  # one guard row
+    flat = [torch.full((skew + (Mc + 1) * N,), 7.0, device=DEV, dtype=out_dtype) for _ in range(W)]
+    dests = [f[skew:].view(Mc + 1, N) for f in flat]  # one guard row after the chunk's
     order = torch.tensor([(1 + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
     for d in dests:
         d[:Mc] = float("nan")
     pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[d[:Mc] for d in dests], kernel=kernel,
                          out_dtype=out_dtype, **kw)  # fmt: skip
     for c in range(W):
-        assert torch.all(dests[c][Mc] == 7.0), "a store past the chunk's rows"
+        assert torch.all(dests[c][Mc] == 7.0) and torch.all(flat[c][:skew] == 7.0), "a store outside the chunk's rows"
         rows = slice(c * Mc, (c + 1) * Mc)
         assert_matmul_close(dests[c][:Mc], ref[rows], ref[rows].to(out_dtype), k=3.0, atol=1e-4)
 
