@@ -30,8 +30,12 @@ MPTP_RS_REDUCE       where the fused matmul-reduce-scatter sums its chunk: "pass
                      "kernel": inside the matmul, each tile of the rank's own chunk summed by the
                      program that computed it once the peers' partials have arrived (no barrier,
                      no pass; measured 0-6% slower on one H100, bench/NOTES.md item 22; on a GPU
-                     the ranks share, their kernels are then time-sliced: slow). The ranks take
-                     the in-matmul sum only if all can.
+                     the ranks share, their kernels are then time-sliced: slow). NOTE: its
+                     programs hold their SMs while they wait for the peers' partials: a kernel
+                     beside it that needs SMs and itself waits on a peer (an NCCL collective on
+                     another stream, an MPS SM limit) can stall both ranks until the timeout
+                     (NaN and an error). The ranks take the in-matmul sum only if all can, and
+                     only once a TMA launch has run in each process.
 MPTP_SKIP_CUDA_BUILD 1 at install time: build no extension (read by setup.py).
 """
 

@@ -567,9 +567,50 @@ def _persistent_matmul_tma_kernel(
             tl.store(SK_SYNC, 0)
 
 
+# Set by the first TMA launch of the process that did not raise: reduce= (which has no pointer
+# kernel to fall back to) is offered only once the TMA kernel is known to launch here.
+TMA_PROVEN = False
+
+
 def reduce_eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
-    """Whether persistent_matmul(A, [B], reduce=...) can run here: the TMA kernel on a GPU."""
-    return USE_TMA and A.is_cuda and not _interpreting() and _tma_ok(A, [B], None, MODE_PLAIN)
+    """Whether persistent_matmul(A, [B], reduce=...) can run here: the TMA kernel on a GPU, once a
+    TMA launch has succeeded in this process."""
+    return TMA_PROVEN and USE_TMA and A.is_cuda and not _interpreting() and _tma_ok(A, [B], None, MODE_PLAIN)
+
+
+def _check_scatter(scatter_to, Bs, num_chunks, M, device) -> None:
+    """ValueError unless scatter_to is num_chunks (at most 8) contiguous [M // num_chunks, N]
+    tensors of one dtype on A's device (the kernels store rows N apart from each one's start)."""
+    if len(Bs) != 1 or not 1 <= num_chunks <= 8 or len(scatter_to) != num_chunks:
+        raise ValueError(f"persistent_matmul: scatter_to needs one B and num_chunks (1 to 8) destinations, got "
+                         f"{len(Bs)} Bs, num_chunks={num_chunks}, {len(scatter_to)} destinations")  # fmt: skip
+    shape, dtype = (M // num_chunks, Bs[0].shape[1]), scatter_to[0].dtype
+    for i, d in enumerate(scatter_to):
+        if tuple(d.shape) != shape or not d.is_contiguous() or d.dtype != dtype or d.device != device:
+            raise ValueError(f"persistent_matmul: scatter_to[{i}]: expected a contiguous {list(shape)} {dtype} "
+                             f"tensor on {device}, got {list(d.shape)} {d.dtype} on {d.device}"
+                             f"{'' if d.is_contiguous() else ', not contiguous'}")  # fmt: skip
+
+
+def _check_reduce(r, scatter_to, num_chunks, M, N) -> None:
+    """ValueError unless the Reduce fits the call (see Reduce)."""
+    Mc = M // num_chunks
+    why = None
+    if not (r.slots.is_contiguous() and r.out.is_contiguous()):
+        why = "slots and out must be contiguous"
+    elif not r.slots.dtype == r.out.dtype == scatter_to[0].dtype:
+        why = f"slots, out and scatter_to must have one dtype, got {r.slots.dtype}, {r.out.dtype}, {scatter_to[0].dtype}"
+    elif tuple(r.slots.shape) != (num_chunks, Mc, N) or tuple(r.out.shape) != (Mc, N):
+        why = (f"slots must be {[num_chunks, Mc, N]} and out {[Mc, N]}, got {list(r.slots.shape)} and "
+               f"{list(r.out.shape)}")  # fmt: skip
+    elif r.slots[r.rank].data_ptr() != scatter_to[r.rank].data_ptr():
+        why = "scatter_to[rank] must be slots[rank]"
+    elif not (r.counters.dtype == r.arrived.dtype == r.err.dtype == torch.int32 and r.arrive_to.dtype == torch.int64):
+        why = "counters, arrived and err must be int32, arrive_to int64"
+    elif min(r.counters.numel(), r.arrived.numel(), r.arrive_to.numel()) < num_chunks or r.err.numel() < 6:
+        why = f"counters, arrived and arrive_to need num_chunks ({num_chunks}) elements, err 6"
+    if why is not None:
+        raise ValueError(f"persistent_matmul: reduce: {why}")
 
 
 def _tma_ok(A, Bs, scatter_to, mode) -> bool:
@@ -846,7 +887,7 @@ def persistent_matmul(
     for B in Bs:
         assert B.dim() == 2 and B.shape[0] == K and B.dtype == A.dtype and B.device == dev
     if scatter_to is not None:
-        assert len(Bs) == 1 and len(scatter_to) == num_chunks <= 8
+        _check_scatter(scatter_to, Bs, num_chunks, M, A.device)
         outs = [scatter_to[0]]
         stream_k = False
     if reduce is not None:
@@ -855,6 +896,7 @@ def persistent_matmul(
         if not _tma_ok(A, Bs, None, MODE_PLAIN) or kernel not in ("auto", "tma"):
             raise ValueError("persistent_matmul: reduce needs the TMA kernel: one B, 16-byte aligned rows "
                              "(FP8: K-major B), kernel 'auto' or 'tma'")  # fmt: skip
+        _check_reduce(reduce, scatter_to, num_chunks, M, Bs[0].shape[1])
         kernel = "tma"
     outs_given = outs is not None
     if outs is None:
@@ -1163,7 +1205,7 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
                 stream_k=None, sk_config=None, scatter_to=None, reduce=None, memo=None):
     """stream_k: see persistent_matmul; sk_config: the large-tile candidate of "auto"; memo: the
     launch memo's key and what its entry keeps (persistent_matmul), or None: not recorded."""
-    global TensorDescriptor
+    global TensorDescriptor, TMA_PROVEN
     if TensorDescriptor is None:  # imported at the first TMA launch (a Triton without it raises here)
         from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = A.shape
@@ -1221,15 +1263,11 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     if reduce is None:
         d = _dummy(dev, torch.int32)
         args += [_dummy(dev), _dummy(dev), d, _dummy(dev, torch.int64), d, 0, 1.0, d]
-    else:
+    else:  # (checked by persistent_matmul: _check_reduce)
         r = reduce
-        assert r.slots.is_contiguous() and r.out.is_contiguous() and r.slots.dtype == r.out.dtype == C.dtype
-        assert tuple(r.slots.shape) == (num_chunks, M // num_chunks, N) and tuple(r.out.shape) == (M // num_chunks, N)
-        assert r.slots[r.rank].data_ptr() == scatter_to[r.rank].data_ptr(), "scatter_to[rank] must be slots[rank]"
-        assert r.counters.dtype == r.arrived.dtype == r.err.dtype == torch.int32 and r.arrive_to.dtype == torch.int64
-        assert r.counters.numel() >= num_chunks and r.arrived.numel() >= num_chunks and r.arrive_to.numel() >= num_chunks
         args += [r.slots, r.out, r.counters, r.arrive_to, r.arrived, int(r.rank), float(r.scale), r.err]
     done = launch_static(_persistent_matmul_tma_kernel, grid, args, constexprs, options, key)
+    TMA_PROVEN = True
     if memo is not None and done is not None:
         try:
             _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B)

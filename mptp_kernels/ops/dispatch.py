@@ -354,7 +354,11 @@ def _run(name: str, *args, **kwargs):
             runner, why = None, cost_why
     call.fusable = runner is not None
     if runner is not None and ws is not None:
-        call.options = runner.options(ws)
+        try:
+            call.options = runner.options(ws)
+        except Exception as e:  # noqa: BLE001 - raised here, on one rank only, it would leave the peers waiting
+            env.log_once(("options", type(e).__name__), "%s: no fused-path options (%s: %s)", name, type(e).__name__, e)
+            call.options = 0
 
     payloads, options = None, 0
     what = f"mptp {name} on group {group_name!r}"

@@ -20,9 +20,10 @@ Matmul-reduce-scatter on rank r (chunks in the order r+1, r+2, ..., r: its own l
 NOTE: the all-gather's matmul spins only on flags written by copy-engine memops of
 its own process, and every other cross-rank wait is a tiny kernel launched before
 the matmul holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
-The reduce-scatter's in-matmul sum waits for the peers' matmuls: where they share this
-GPU (or, on a loopback group, are earlier tiles of the same launch) it relies on their
-kernels being time-sliced with this one, and every wait is bounded (NaN and an error).
+The reduce-scatter's in-matmul sum (opt-in) breaks that rule: its programs hold their SMs
+while they wait for the peers' matmuls (on a shared GPU, or a loopback group's earlier tiles,
+it relies on time-slicing or residency), so a kernel beside it that needs SMs and waits on
+a peer can stall both until the timeout; every wait is bounded (NaN and an error).
 Flags are reset to 0 after each call and the consumer waits for >= 1, so a
 captured CUDA graph stays correct on replay. Every op waits for DONE first; the
 workspace hands out one DONE credit per peer when it is created, so the first
@@ -304,10 +305,13 @@ def _rs_options(ws, A, B, scatter_dim, out_shape) -> int:
     if env.rs_reduce() != "kernel" or W == 1 or scatter_dim == len(out_shape) - 1 or W > MAX_SCATTER_W:
         return 0
     K = A.shape[-1]
-    A2 = A  # as _rs_run lays it out: A itself, a view of it, or a fresh (16-byte aligned) copy
+    A2 = A  # as _rs_run lays it out: A itself, a view of it, or a fresh copy
     if A.dim() > 2 or scatter_dim:
         Am = A.movedim(scatter_dim, 0)
-        A2 = Am.view(-1, K) if Am.is_contiguous() else torch.empty((Am.numel() // K, K), dtype=A.dtype, device=A.device)
+        if Am.is_contiguous():
+            A2 = Am.view(-1, K)
+        else:  # a fresh copy: contiguous and 16-byte aligned; as small a stand-in (no allocation of A's size)
+            A2 = torch.empty_strided((1, K), (K, 1), dtype=A.dtype, device=A.device)
     return agreement.OPT_KERNEL_REDUCE if pm.reduce_eligible(A2, B) else 0
 
 

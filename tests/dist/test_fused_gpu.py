@@ -410,8 +410,19 @@ def test_rank_that_never_joins_makes_others_raise():
 def kernel_reduce_workers(request):
     w = Workers(request.param, backend="gloo", env={**ENV, "MPTP_RS_REDUCE": "kernel"})
     w.run(_enable)
+    w.run(_prove_tma)
     yield w
     w.close()
+
+
+def _prove_tma():
+    """A first TMA launch: the in-matmul sum is offered only once one has run in the process."""
+    from mptp_kernels.kernels import persistent_matmul as pm
+
+    x = torch.ones(128, 128, device="cuda", dtype=torch.bfloat16)
+    pm.persistent_matmul(x, [x])
+    torch.cuda.synchronize()
+    assert pm.TMA_PROVEN
 
 
 def _summed(where, fn, *args):

@@ -340,6 +340,67 @@ def test_guarded_reduce_neither_stores_nor_flags_once_the_latch_is_set(failed):
     assert red.counters.tolist() == [0] * W
 
 
+def test_scatter_destinations_are_checked():
+    """A destination the kernels would write wrongly (strided: rows are stored N apart), past its
+    end (too small), or in another dtype than the others is a ValueError naming it, on both
+    kernels (found by review: silently wrong values, or stores past the end)."""
+    W, M, K, N = 2, 64, 32, 48
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    good = torch.empty(M // W, N, device=DEV, dtype=torch.float16)
+    bad = {
+        "strided": torch.empty(M // W, 2 * N, device=DEV, dtype=torch.float16)[:, :N],
+        "too small": torch.empty(M // W // 2, N, device=DEV, dtype=torch.float16),
+        "another dtype": torch.empty(M // W, N, device=DEV, dtype=torch.float32),
+    }
+    for kernel in ("pointer", "tma"):
+        for what, d in bad.items():
+            with pytest.raises(ValueError, match=r"scatter_to\[1\]"):
+                pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[good, d], kernel=kernel)
+                pytest.fail(f"{kernel}: a destination {what} was accepted")
+        with pytest.raises(ValueError, match="num_chunks"):
+            pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[good], kernel=kernel)
+
+
+def test_reduce_arguments_are_checked():
+    """A Reduce that does not fit the call is a ValueError (not an assert, gone under python -O)."""
+    W, M, K, N = 2, 64, 32, 48
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    import dataclasses
+
+    for change, needle in [(lambda r: dict(out=r.out[:-1]), "out"),
+                           (lambda r: dict(slots=r.slots.float()), "one dtype"),
+                           (lambda r: dict(counters=r.counters[:1]), "num_chunks"),
+                           (lambda r: dict(arrive_to=r.arrive_to.int()), "int64"),
+                           (lambda r: dict(err=r.err[:2]), "err")]:  # fmt: skip
+        red, _ = _reduce_case(W, 0, M, N, torch.float16, 1.0, SEED)
+        dests = [red.slots[0], torch.empty(M // W, N, device=DEV, dtype=torch.float16)]
+        with pytest.raises(ValueError, match=needle):
+            pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, kernel="tma",
+                                 reduce=dataclasses.replace(red, **change(red)))  # fmt: skip
+    red, _ = _reduce_case(W, 0, M, N, torch.float16, 1.0, SEED)
+    with pytest.raises(ValueError, match="scatter_to.rank. must be slots.rank."):
+        pm.persistent_matmul(A, [B], num_chunks=W, order=order, kernel="tma", reduce=red,
+                             scatter_to=[torch.empty(M // W, N, device=DEV, dtype=torch.float16) for _ in range(W)])  # fmt: skip
+
+
+def test_reduce_is_offered_only_once_a_tma_launch_ran(monkeypatch):
+    """reduce_eligible: no in-matmul sum (it has no pointer kernel to fall back to) before a TMA
+    launch has succeeded in the process (found by review: a Triton whose TMA launch fails would
+    take it on every rank, and every rank would raise)."""
+    A, (B,) = _inputs(64, 32, (48,), torch.float16, SEED)
+    monkeypatch.setattr(pm, "_interpreting", lambda: False)
+    monkeypatch.setattr(pm, "TMA_PROVEN", False)
+    fake = type("T", (), {"is_cuda": True, "stride": A.stride, "data_ptr": A.data_ptr, "element_size": A.element_size,
+                          "dtype": A.dtype})()  # fmt: skip
+    assert not pm.reduce_eligible(fake, B)
+    monkeypatch.setattr(pm, "TMA_PROVEN", True)
+    assert pm.reduce_eligible(fake, B)
+    monkeypatch.setattr(pm, "USE_TMA", False)
+    assert not pm.reduce_eligible(fake, B)
+
+
 def test_reduce_refuses_what_it_cannot_serve():
     W, M, K, N = 2, 64, 32, 48
     A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
