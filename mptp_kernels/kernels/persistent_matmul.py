@@ -299,7 +299,7 @@ def _sk_piece(a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeou
               B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP_M: tl.constexpr):  # fmt: skip
     """K blocks k_lo .. k_hi - 1 of global tile g (chunk order; a consumer waits for its chunk):
-    (fp32 sum, the tile's first row and column, the end of its chunk's rows)."""
+    (fp32 sum, the tile's first row and column, the end of its chunk's rows, the chunk)."""
     idx = g // tiles_per_chunk
     t = g - idx * tiles_per_chunk
     chunk = tl.load(order_ptr + idx)
@@ -310,7 +310,7 @@ def _sk_piece(a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeou
     off_m = row_start + pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc = _tma_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-    return acc, off_m, off_n, row_start + chunk_m
+    return acc, off_m, off_n, row_start + chunk_m, chunk
 
 
 @triton.jit
@@ -336,6 +336,19 @@ def _sk_add(acc, good, SK_WS, SK_SYNC, slot, wait_ns, BLOCK_M: tl.constexpr, BLO
     got = wait_nonzero(SK_SYNC + 2 + slot, wait_ns)
     tl.debug_barrier()
     return acc + tl.load(_sk_slot(SK_WS, slot, BLOCK_M, BLOCK_N)), good & got
+
+
+@triton.jit
+def _dest(C, D0, D1, D2, D3, D4, D5, D6, D7, chunk, chunk_m, PRODUCE: tl.constexpr):
+    """(pointer, first row) where a tile of `chunk` is stored: C from row 0, or (a scatter) D_chunk
+    from the chunk's first row."""
+    if PRODUCE != 0:
+        Cc = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
+        c_row0 = chunk * chunk_m
+    else:
+        Cc = C
+        c_row0 = 0
+    return Cc, c_row0
 
 
 @triton.jit
@@ -467,12 +480,7 @@ def _persistent_matmul_tma_kernel(
             if first < last:
                 wait_acquire(flags_ptr + chunk, epoch, timeout_ns, err_ptr, chunk, tag)
         row_start = chunk * chunk_m
-        if PRODUCE != 0:
-            Cc = _select8(chunk, D0, D1, D2, D3, D4, D5, D6, D7)
-            c_row0 = row_start
-        else:
-            Cc = C
-            c_row0 = 0
+        Cc, c_row0 = _dest(C, D0, D1, D2, D3, D4, D5, D6, D7, chunk, chunk_m, PRODUCE)
         waited = False
         for t in tl.range(first, last, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(t, pid_m_per_chunk, num_pid_n, GROUP_M)
@@ -501,7 +509,7 @@ def _persistent_matmul_tma_kernel(
             g = it // k_tiles
             k_lo = it - g * k_tiles
             k_hi = min(k_tiles, k_lo + (it_end - it))
-            acc, off_m, off_n, row_end = _sk_piece(
+            acc, off_m, off_n, row_end, g_chunk = _sk_piece(
                 a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
                 chunk_m, pid_m_per_chunk, num_pid_n, MODE, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
             if k_lo != 0:  # not the tile's head: publish the piece for the program that holds the head
@@ -521,9 +529,10 @@ def _persistent_matmul_tma_kernel(
                                 acc, good = _sk_add(acc, good, SK_WS, SK_SYNC, j, sk_wait_ns, BLOCK_M, BLOCK_N)
                             j += 1
                     acc = tl.where(good, acc, float("nan"))  # a lost piece: NaN, never a partial sum
-                _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
+                Cs, s_row0 = _dest(C, D0, D1, D2, D3, D4, D5, D6, D7, g_chunk, chunk_m, PRODUCE)
+                _tma_epilogue(acc, Cs, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
                               A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
-                              BLOCK_M, BLOCK_N)  # fmt: skip
+                              BLOCK_M, BLOCK_N, s_row0)  # fmt: skip
             it = (g + 1) * k_tiles
     if SK_MODE == 2:
         # Unit `ticket` (if any): split `splits - 1 - ticket // sk_tiles` of split tile ticket % sk_tiles.
@@ -533,7 +542,7 @@ def _persistent_matmul_tma_kernel(
             g = dp_tiles + (ticket - (ticket // sk_tiles) * sk_tiles)
             k_lo = (split * k_tiles) // splits
             k_hi = ((split + 1) * k_tiles) // splits
-            acc, off_m, off_n, row_end = _sk_piece(
+            acc, off_m, off_n, row_end, g_chunk = _sk_piece(
                 a_desc, b_desc, g, k_lo, k_hi, order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, tiles_per_chunk,
                 chunk_m, pid_m_per_chunk, num_pid_n, MODE, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
             if split != 0:
@@ -554,9 +563,10 @@ def _persistent_matmul_tma_kernel(
                     for sp in range(1, splits):  # fixed order: the owner's, then split 1, 2, ...
                         tot += tl.load(base + (ticket - sp * sk_tiles).to(tl.int64) * (BLOCK_M * BLOCK_N))
                     tot = tl.where(good, tot, float("nan"))  # a lost piece: NaN, never a partial sum
-                    _tma_epilogue(tot, C, A_SCALE, BS, BIAS, out_factor, N, off_m + r, off_n, row_end, ok,
+                    Cs, s_row0 = _dest(C, D0, D1, D2, D3, D4, D5, D6, D7, g_chunk, chunk_m, PRODUCE)
+                    _tma_epilogue(tot, Cs, A_SCALE, BS, BIAS, out_factor, N, off_m + r, off_n, row_end, ok,
                                   A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
-                                  SUB_M, BLOCK_N)  # fmt: skip
+                                  SUB_M, BLOCK_N, s_row0)  # fmt: skip
     if SK_MODE != 0:
         # The last program out resets the tickets and the flags (stream order: before the next launch).
         done = tl.atomic_add(SK_SYNC + 1, 1, sem="acq_rel", scope="gpu")
@@ -850,7 +860,7 @@ def persistent_matmul(
             True: with this call's config, STREAM_K's mode (default "split"); an int n > 0:
             stream-K over the last n tiles (0: none); ("split", R, s): the last R tiles in s K
             ranges, R * s at most the programs (tests). The pointer kernel ignores it, and so does
-            a call with scatter_to (whole tiles: each is stored to its chunk's buffer at once).
+            a call with reduce (whole tiles); a scatter's None follows SK_SCATTER.
         reduce: with scatter_to (order: this rank's chunk last), matmul-reduce-scatter's sum in the
             matmul (Reduce; the TMA kernel's PRODUCE 2). Needs the TMA kernel (reduce_eligible):
             a call it cannot serve raises ValueError. Returns [reduce.out].
@@ -889,7 +899,8 @@ def persistent_matmul(
     if scatter_to is not None:
         _check_scatter(scatter_to, Bs, num_chunks, M, A.device)
         outs = [scatter_to[0]]
-        stream_k = False
+        if reduce is not None or (stream_k is None and not SK_SCATTER):
+            stream_k = False  # the in-matmul sum: whole tiles (each own tile summed by its program)
     if reduce is not None:
         if scatter_to is None or mode != MODE_PLAIN or not 0 <= reduce.rank < num_chunks:
             raise ValueError("persistent_matmul: reduce needs scatter_to, the plain mode and 0 <= rank < num_chunks")
@@ -1050,6 +1061,9 @@ SK_MAX_SPLIT = 8
 # row-wise scales on a GPU its ranks share (8 SMs left to the copies) only; it applies to every
 # FP8 consumer (tensor-wise too, and between GPUs), where nothing else was measured.
 SK_FP8_CONSUMER = False
+# "auto" for a scatter (the reduce-scatter's producer, PRODUCE 1): True weighs the launch plan (large
+# tiles, a split last wave) as for a plain call; False takes whole tiles of the default config.
+SK_SCATTER = True
 # "auto" splits only calls of at least this many FLOPs (~15 us of H200 tensor-core time): below it
 # the split's few microseconds of fixed cost (tickets, pieces, the wait) are not worth a wave.
 SK_MIN_FLOPS = 1e10
@@ -1332,7 +1346,7 @@ _SCALARS = (int, float, bool)
 
 def _sk_settings() -> tuple:
     """The module settings _sk_plan reads (part of the plan's key and the memo's)."""
-    return STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN, SK_FP8_CONSUMER
+    return STREAM_K, SK_MIN_FLOPS, SK_TILE_EFF, SK_MAX_SPLIT, SK_SPLIT_COST, SK_MIN_GAIN, SK_FP8_CONSUMER, SK_SCATTER
 
 
 def _settings() -> tuple:

@@ -260,6 +260,49 @@ def test_tma_scatter_stores_each_chunk_to_its_buffer(kernel, dtype, W, M, K, N, 
         assert_matmul_close(dests[c][:Mc], ref[rows], ref[rows].to(out_dtype), k=3.0, atol=1e-4)
 
 
+@pytest.mark.parametrize("split", [("split", 2, 2), ("split", 3, 1), 7], ids=["split", "split1", "stream"])
+@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
+def test_tma_scatter_with_a_split_last_wave(dtype, split, sk_buffers):
+    """A scatter whose last tiles are split by K (the launch plan): each split tile is summed and
+    stored to its own chunk's buffer, rows renumbered (the split tiles span chunks)."""
+    W, M, K, N = 3, 96, 64, 48
+    A, B, kw, ref = _scaled_inputs(M, K, N, dtype, SEED)
+    out_dtype = torch.float16
+    Mc = M // W
+    dests = [torch.full((Mc, N), float("nan"), device=DEV, dtype=out_dtype) for _ in range(W)]
+    order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, kernel="tma", out_dtype=out_dtype,
+                         config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=6, stream_k=split, **kw)  # fmt: skip
+    assert sk_buffers, "no tile was split"
+    for c in range(W):
+        rows = slice(c * Mc, (c + 1) * Mc)
+        assert_matmul_close(dests[c], ref[rows], ref[rows].to(out_dtype), k=3.0, atol=1e-4)
+
+
+def test_a_scatter_takes_the_launch_plan_unless_it_sums(monkeypatch):
+    """stream_k=None: a scatter weighs the large-tile plan (SK_SCATTER) as a plain call does; with
+    reduce= (the in-matmul sum, each own tile summed by its program) it takes whole tiles."""
+    got = []
+
+    def spy(*args, **kw):
+        got.append((args[23], args[24]))  # stream_k, sk_config
+        return [args[2]] if kw.get("reduce") is None else [kw["reduce"].out]
+
+    monkeypatch.setattr(pm, "_launch_tma", spy)
+    monkeypatch.setattr(pm, "_interpreting", lambda: False)
+    W, M, K, N = 2, 512, 256, 384
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    red, _ = _reduce_case(W, 0, M, N, torch.float16, 1.0, SEED)
+    dests = [red.slots[0], torch.empty(M // W, N, device=DEV, dtype=torch.float16)]
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, kernel="tma")
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, reduce=red)
+    monkeypatch.setattr(pm, "SK_SCATTER", False)
+    pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=dests, kernel="tma")
+    large = pm.SK_CONFIG["16bit"]
+    assert got == [(None, large), (False, None), (False, None)], got
+
+
 def _reduce_case(W, rank, M, N, out_dtype, scale, seed):
     """This rank's buffer [W, M // W, N] with the peers' partials in (the own slot NaN), the
     arrival flags pre-set (the interpreter runs programs one by one: nothing may wait), and the
