@@ -37,7 +37,7 @@ _DTYPES = (
 )  # fmt: skip
 MAX_DIMS = 8
 PAYLOAD_BYTES = 512
-# Call.options: matmul-reduce-scatter sums its chunk inside the matmul (fused.py, kernel_reduce):
+# Call.options: matmul-reduce-scatter sums its chunk inside the matmul (MPTP_RS_REDUCE=kernel):
 # the ranks' protocols differ (arrival flags against a barrier), so all take it or none does.
 OPT_KERNEL_REDUCE = 1
 _HEAD = struct.Struct("<5q")  # op, fusable, need, n_must, n_free
@@ -141,7 +141,7 @@ def _pretty(name: str, v: int) -> str:
     return str(v)
 
 
-_RESOLVED: dict = {}  # payloads -> (fuse, need) of an agreeing call: a pure function of the payloads
+_RESOLVED: dict = {}  # payloads -> (fuse, need, options) of an agreeing call: a pure function of the payloads
 
 
 def resolve(call: Call, payloads: List[bytes], rank: int, group_name: str) -> Tuple[bool, int, int]:
