@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     op_path,
     parse_fused_args,
     run_cases,
+    with_env,
     with_graphs,
 )
 
@@ -95,7 +96,7 @@ def loopback_op(group_name, W, M, N, K):
     # mptp_kernel: MPTP_RS_REDUCE=kernel (the sum inside the matmul); mptp_pointer: the matmul on
     # the pointer kernel (pm.USE_TMA off for the call: the reduce-scatter's matmul before 8dadce7).
     if path == "fused":
-        fns["mptp_kernel"] = _with_env("MPTP_RS_REDUCE", "kernel", fn)
+        fns["mptp_kernel"] = with_env({"MPTP_RS_REDUCE": "kernel"}, fn)
         fns["mptp_pointer"] = _without_tma(fn)
     return with_graphs(fns), {"timed": "op", "path": path}
 
@@ -108,23 +109,6 @@ def _without_tma(fn):
             return fn()
         finally:
             pm.USE_TMA = old
-
-    return call
-
-
-def _with_env(var, value, fn):
-    """fn with os.environ[var] = value for the call (the env is read per call)."""
-
-    def call():
-        old = os.environ.get(var)
-        os.environ[var] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = old
 
     return call
 

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_all_gather_matmul as ag_bench  # noqa: E402
 import bench_matmul_reduce_scatter as rs_bench  # noqa: E402
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, with_graphs  # noqa: E402
+from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, with_env, with_graphs  # noqa: E402
 from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
@@ -38,21 +38,7 @@ PATHS = dict(_PATHS)  # path -> the environment that makes the op take it
 
 def _on_path(fn, path):
     """fn run with the path forced (the dispatcher reads MPTP_* at every call, capture included)."""
-    env = PATHS[path]
-
-    def run():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    return run
+    return with_env(PATHS[path], fn)
 
 
 def _whole_tiles(fn):

@@ -160,6 +160,25 @@ def add_symm_mem(fns, name, group_name):
     return fns
 
 
+def with_env(env: dict, fn):
+    """fn with os.environ updated by env for each call (the ops read MPTP_* at every call),
+    restored after it."""
+
+    def run():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return run
+
+
 def with_graphs(fns: dict) -> dict:
     """Adds '<name>@graph' for each provider: the same work captured in a CUDA graph and replayed,
     which removes host launch overhead and leaves what the GPU does."""

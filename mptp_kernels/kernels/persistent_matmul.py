@@ -1271,12 +1271,11 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         int(2 * timeout_s * 1e9) + 1_000_000_000, pieces, sync,
     ]  # fmt: skip
     if scatter_to is None:
-        args += [_dummy(dev)] * 8
+        args += _unused_tail(dev, 8)
     else:
         args += list(scatter_to) + [scatter_to[0]] * (8 - len(scatter_to))
     if reduce is None:
-        d = _dummy(dev, torch.int32)
-        args += [_dummy(dev), _dummy(dev), d, _dummy(dev, torch.int64), d, 0, 1.0, d]
+        args += _unused_tail(dev, 0)
     else:  # (checked by persistent_matmul: _check_reduce)
         r = reduce
         args += [r.slots, r.out, r.counters, r.arrive_to, r.arrived, int(r.rank), float(r.scale), r.err]
@@ -1288,6 +1287,23 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         except Exception:  # noqa: BLE001 - the launch is done: a failed record only costs the next call time
             pass
     return [C] if reduce is None else [reduce.out]
+
+
+_TAILS = {}
+
+
+def _unused_tail(dev, n):
+    """The TMA kernel's trailing arguments a launch does not use, made once per device: n = 8 the
+    scatter destinations, 0 the in-matmul sum's (pointers to never-written dummies; rank 0, scale 1)."""
+    t = _TAILS.get((dev, n))
+    if t is None:
+        if n:
+            t = [_dummy(dev)] * n
+        else:
+            d = _dummy(dev, torch.int32)
+            t = [_dummy(dev), _dummy(dev), d, _dummy(dev, torch.int64), d, 0, 1.0, d]
+        t = _TAILS[(dev, n)] = tuple(t)
+    return t
 
 
 def _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B):
