@@ -33,6 +33,20 @@ def make(M, N, K, kind):
     return A8, B8, torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
 
 
+def pointer_store(fn):
+    """fn with the TMA store off (pm.TMA_STORE_BLOCK_N = None) while it runs (a CUDA graph
+    captured from it keeps that kernel)."""
+
+    def call():
+        was, pm.TMA_STORE_BLOCK_N = pm.TMA_STORE_BLOCK_N, None
+        try:
+            return fn()
+        finally:
+            pm.TMA_STORE_BLOCK_N = was
+
+    return call
+
+
 def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat"), stream_k=True, tune_sk=False,
               lean=False):
     A, B, sa, sb = make(M, N, K, kind)
@@ -55,6 +69,8 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
     if stream_k:  # the default path with whole tiles only, and with each way of splitting the last wave
         fns["mptp_whole_tiles"] = run(stream_k=False)
+    # The default path with the masked pointer store everywhere (no TMA store of whole tiles).
+    fns["mptp_ptr_store"] = pointer_store(run())
     if stream_k and not lean:
         fns["mptp_split"] = run(stream_k="split")
         fns["mptp_stream"] = run(stream_k="stream")
@@ -125,7 +141,7 @@ def main():
     p.add_argument("--Ns", default=None, help="only these N (comma-separated)")
     p.add_argument("--sk", action="store_true", help="--tune: also each config with the stream-K split")
     p.add_argument("--out", default=None, help="also copy the CSV here")
-    p.add_argument("--lean", action="store_true", help="only cuBLAS, the default path (plain, consumer) and whole tiles")
+    p.add_argument("--lean", action="store_true", help="only cuBLAS, the default path (plain, consumer), whole tiles and the pointer store")
     p.add_argument("--kernels", default="", help="also these kernel families forced (pointer,tma,tma_flat)")
     a = p.parse_args()
     Ms = [8192] if a.quick else [int(m) for m in a.Ms.split(",")]
@@ -134,6 +150,7 @@ def main():
         return tune(kinds, Ms, a.out, a.kernel, [int(n) for n in a.Ns.split(",")] if a.Ns else None, a.sk)
     envc = env_columns()
     rows, ratios = [], {(k, t): [] for k in kinds for t in ("", "@graph")}
+    ptr_ratios = {}  # the same with the pointer store (provider mptp_ptr_store)
     for kind in kinds:
         for M, (N, K) in itertools.product(Ms, LLAMA_TP8_NK):
             if a.Ns and N not in [int(n) for n in a.Ns.split(",")]:
@@ -141,7 +158,8 @@ def main():
             fns = providers(M, N, K, kind, kernels=a.kernels.split(",") if a.kernels else (), lean=a.lean)
             # GPU time without host launch cost, for cuBLAS and ours alike (see bench/NOTES.md).
             fns.update(with_graphs({k: fns[k] for k in ("cublas", "mptp", "mptp_consumer", "mptp_whole_tiles",
-                                                        "mptp_split", "mptp_stream", "mptp_consumer_split")
+                                                        "mptp_ptr_store", "mptp_split", "mptp_stream",
+                                                        "mptp_consumer_split")
                                     if k in fns}))  # fmt: skip
             times = {name: bench_us(fn) for name, fn in fns.items()}
             for name, us in times.items():
@@ -154,6 +172,8 @@ def main():
             for t in ("", "@graph"):
                 if f"mptp{t}" in times and f"cublas{t}" in times:
                     ratios[(kind, t)].append(times[f"cublas{t}"] / times[f"mptp{t}"])
+                if f"mptp_ptr_store{t}" in times and f"cublas{t}" in times:
+                    ptr_ratios.setdefault((kind, t), []).append(times[f"cublas{t}"] / times[f"mptp_ptr_store{t}"])
             append_rows("persistent_matmul.csv", rows[-len(times):])  # per case: a cut-off run keeps its rows
             print(f"{kind:10s} M={M:5d} N={N:5d} K={K:5d} " + " ".join(f"{n} {t:7.1f}" for n, t in times.items())
                   + f"  ratio {times['cublas'] / times['mptp']:.3f}", flush=True)  # fmt: skip
@@ -164,7 +184,9 @@ def main():
         shutil.copy(path, os.path.join(a.out, "persistent_matmul.csv"))
     print("\ngeometric mean of cuBLAS time / mptp time (>= 1.0 means at least cuBLAS speed):")
     for (kind, t), r in ratios.items():
-        print(f"  {kind:10s} {'eager' if not t else 'CUDA graph':10s} {geomean(r):.3f}")
+        ptr = ptr_ratios.get((kind, t))
+        print(f"  {kind:10s} {'eager' if not t else 'CUDA graph':10s} {geomean(r):.3f}"
+              + (f"   (pointer store: {geomean(ptr):.3f})" if ptr else ""))
 
 
 if __name__ == "__main__":

@@ -240,9 +240,13 @@ def _persistent_matmul_kernel(
 def _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_end, ok,
                   A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RS_MODE: tl.constexpr, E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, GUARD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, c_row0=0):  # fmt: skip
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, c_row0=0, c_desc=None,
+                  TMA_STORE: tl.constexpr = False):  # fmt: skip
     """Scales, bias, output cast and the masked store of one tile (rows below row_end); C's row
-    i holds A's row c_row0 + i (a chunk scattered to its own buffer: c_row0 is its first row)."""
+    i holds A's row c_row0 + i (a chunk scattered to its own buffer: c_row0 is its first row).
+    TMA_STORE: the tile goes out through c_desc (a descriptor of C) instead, asynchronously (the
+    program's next loads need not wait for it); only where no tile's rows cross row_end inside C
+    (the descriptor clips at C's edges only) and c_row0 is 0."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     row_mask = offs_m < row_end
@@ -260,12 +264,19 @@ def _tma_epilogue(acc, C, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_en
     if RS_MODE != 0:
         acc = acc * out_factor
     # int64 rows: rows * N passes 2**31 on large outputs.
-    c_ptrs = C + (offs_m - c_row0).to(tl.int64)[:, None] * N + offs_n[None, :]
     out = to_output(acc, C.dtype.element_ty, E5M2_INF, SOFT_FP8)
-    if GUARD:
-        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+    if TMA_STORE:
+        if GUARD:
+            if ok:
+                c_desc.store([off_m, off_n], out)
+        else:
+            c_desc.store([off_m, off_n], out)
     else:
-        tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+        c_ptrs = C + (offs_m - c_row0).to(tl.int64)[:, None] * N + offs_n[None, :]
+        if GUARD:
+            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :] & ok)
+        else:
+            tl.store(c_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -404,14 +415,18 @@ def _persistent_matmul_tma_kernel(
     a_desc, b_desc, C, A_SCALE, BS, BIAS, RS, M, N, K,
     order_ptr, flags_ptr, epoch, timeout_ns, err_ptr, tag, sk_tiles, splits, sk_wait_ns, SK_WS, SK_SYNC,
     D0, D1, D2, D3, D4, D5, D6, D7, SLOTS, OUT, counters_ptr, arrive_to, arrived, rank, red_scale, red_err,
-    NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, PRODUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    c_desc, NUM_CHUNKS: tl.constexpr, MODE: tl.constexpr, PRODUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, B_SCALE_MODE: tl.constexpr, RS_MODE: tl.constexpr,
     E5M2_INF: tl.constexpr, SOFT_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
     B_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr, GUARD: tl.constexpr, SK_MODE: tl.constexpr, SUB_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, TMA_STORE: tl.constexpr,
 ):  # fmt: skip
     """One B (plain or consumer), TMA (tensor-descriptor) loads.
+
+    TMA_STORE: the tiles dealt out whole are stored through c_desc (a descriptor of C, see
+    _tma_epilogue; PRODUCE 0, chunks of whole BLOCK_M tiles); split tiles keep the masked store.
+    Otherwise c_desc is unused (0).
 
     Same tile assignment as _persistent_matmul_kernel (global tile i goes to
     program i % NUM_SMS), written as a loop over chunks around a loop over this
@@ -489,7 +504,7 @@ def _persistent_matmul_tma_kernel(
             acc = _tma_acc(a_desc, b_desc, off_m, off_n, 0, k_tiles, FAST_ACCUM, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
             _tma_epilogue(acc, Cc, A_SCALE, BS, BIAS, out_factor, N, off_m, off_n, row_start + chunk_m, ok,
                           A_SCALE_MODE, B_SCALE_MODE, HAS_BIAS, RS_MODE, E5M2_INF, SOFT_FP8, GUARD,
-                          BLOCK_M, BLOCK_N, c_row0)  # fmt: skip
+                          BLOCK_M, BLOCK_N, c_row0, c_desc, TMA_STORE)  # fmt: skip
             if PRODUCE == 2:
                 if chunk == rank:
                     if not waited:
@@ -1043,6 +1058,10 @@ TensorDescriptor = None
 # default; recalibrated on the diagnosis of cf165a0 (SK_SPLIT_COST), it is "split" again.
 # "stream" is slower everywhere measured (up to 1.45x).
 STREAM_K = "split"
+# The TMA store of whole tiles (_launch_tma): configs with BLOCK_N >= this; None: never. Measured
+# on the H100 (bench/diag_tma_store.py, bench/NOTES.md item 23): faster with 128 x 256 tiles,
+# slower with 128 x 128.
+TMA_STORE_BLOCK_N = 256
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
 # Calibrated on an H100 (bench/diag_stream_k.py, bf16, M 4096 / 8192, N 768 / 1280, graph timing,
 # bench/results/h100_diag_stream_k_cf165a0.txt): a 128 x 128 tile wave takes 0.62 of a 128 x 256
@@ -1227,13 +1246,18 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     kmajor = B.stride(1) != 1
     has_bias = biases is not None
     produce = 0 if scatter_to is None else (1 if reduce is None else 2)
+    # Whether C can take the TMA store at all: one dense [M, N] output of 1 or 2 bytes per element
+    # (a wider one's staging tile takes the shared memory of the loads), 16-byte aligned rows.
+    c_ok = (produce == 0 and TMA_STORE_BLOCK_N is not None and C.dim() == 2 and C.element_size() <= 2
+            and C.is_contiguous()
+            and (N * C.element_size()) % 16 == 0 and C.data_ptr() % 16 == 0)  # fmt: skip
     # The launch plan: everything but the addresses, from the shapes and options only (their
-    # complete list: the key). NOTE: the module's STREAM_K and SK_* values are part of it.
+    # complete list: the key). NOTE: the module's STREAM_K, SK_* and TMA_STORE_* values are part of it.
     # NOTE: stream_k by its repr: True (the split) and 1 (stream-K over one tile) are == in Python.
     key = (M, N, K, A.dtype, num_chunks, sms, cfg, sk_config, None if stream_k is None else repr(stream_k), mode,
            produce, a_mode, b_mode, has_bias,
            fast_accum, flatten, kmajor, guard, fp8_out["RS_MODE"], fp8_out["E5M2_INF"], fp8_out["SOFT_FP8"],
-           _sk_settings())  # fmt: skip
+           _sk_settings(), c_ok, TMA_STORE_BLOCK_N)  # fmt: skip
     plan = _TMA_PLANS.get(key)
     if plan is None:
         c, sk_mode, sk_tiles, splits = _sk_plan(M, N, K, num_chunks, sms, cfg, sk_config, stream_k)
@@ -1242,19 +1266,25 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         else:
             tiles = num_chunks * _cdiv(M // num_chunks, c.BLOCK_M) * _cdiv(N, c.BLOCK_N)
             grid = (max(1, min(sms, tiles)),)
+        # The TMA store: measured faster with BLOCK_N = 256 tiles, slower with 128 (bench/NOTES.md
+        # item 23); every whole tile must lie within its chunk's rows (the descriptor clips at C's
+        # edges only: a tile crossing into the next chunk would overwrite that chunk's rows).
+        tma_store = (c_ok and c.BLOCK_N >= TMA_STORE_BLOCK_N
+                     and (num_chunks == 1 or (M // num_chunks) % c.BLOCK_M == 0))  # fmt: skip
         constexprs = dict(
             NUM_CHUNKS=num_chunks, MODE=mode, PRODUCE=produce, HAS_BIAS=has_bias, A_SCALE_MODE=a_mode,
             B_SCALE_MODE=b_mode, **fp8_out, FAST_ACCUM=fast_accum, B_KMAJOR=kmajor, FLATTEN=flatten, GUARD=guard,
             SK_MODE=sk_mode, SUB_M=min(c.BLOCK_M, 32), BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K,
-            GROUP_M=c.GROUP_M, NUM_SMS=grid[0],
+            GROUP_M=c.GROUP_M, NUM_SMS=grid[0], TMA_STORE=tma_store,
         )  # fmt: skip
         options = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         bdesc = (c.BLOCK_N, c.BLOCK_K, True) if kmajor else (c.BLOCK_K, c.BLOCK_N, False)
-        plan = (c, sk_mode, sk_tiles, splits, grid, constexprs, options, (c.BLOCK_M, c.BLOCK_K, False), bdesc)
+        cdesc = (c.BLOCK_M, c.BLOCK_N, False) if tma_store else None
+        plan = (c, sk_mode, sk_tiles, splits, grid, constexprs, options, (c.BLOCK_M, c.BLOCK_K, False), bdesc, cdesc)
         if len(_TMA_PLANS) >= 1024:
             _TMA_PLANS.clear()
         _TMA_PLANS[key] = plan
-    c, sk_mode, sk_tiles, splits, grid, constexprs, options, adesc, bdesc = plan
+    c, sk_mode, sk_tiles, splits, grid, constexprs, options, adesc, bdesc, cdesc = plan
     dev = A.device
     if sk_mode:
         pieces, sync = _sk_buffers(dev, sms, c)
@@ -1279,11 +1309,12 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
     else:  # (checked by persistent_matmul: _check_reduce)
         r = reduce
         args += [r.slots, r.out, r.counters, r.arrive_to, r.arrived, int(r.rank), float(r.scale), r.err]
+    args.append(_descriptor(C, *cdesc) if cdesc is not None else 0)  # c_desc (the last argument)
     done = launch_static(_persistent_matmul_tma_kernel, grid, args, constexprs, options, key)
     TMA_PROVEN = True
     if memo is not None and done is not None:
         try:
-            _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B)
+            _memo_record(memo, done, adesc, bdesc, cdesc, sk_mode, sms, c, M, N, A, B, C)
         except Exception:  # noqa: BLE001 - the launch is done: a failed record only costs the next call time
             pass
     return [C] if reduce is None else [reduce.out]
@@ -1306,18 +1337,22 @@ def _unused_tail(dev, n):
     return t
 
 
-def _memo_record(memo, done, adesc, bdesc, sk_mode, sms, c, M, N, A, B):
+def _memo_record(memo, done, adesc, bdesc, cdesc, sk_mode, sms, c, M, N, A, B, C):
     """Keeps a direct launch's bound arguments for later calls of its key (see _MEMO)."""
     kernel, grid3, call, cvals, device_index = done
     mkey, outs_given, out_dtype, poison, err, held = memo
     call = list(call)
     if not all(type(call[i]) is int for i in _TENSOR_SLOTS):  # addresses only: the entry holds no tensor
         return
-    call[0] = call[1] = None  # the descriptors are made per call (they hold A and B)
+    call[0] = call[1] = None  # the descriptors are made per call (they hold A and B, and C)
     atpl, btpl = _template(A, *adesc), _template(B, *bdesc)
+    ctpl = None
+    if cdesc is not None:
+        call[-1] = None
+        ctpl = _template(C, *cdesc)
     if len(_MEMO) >= MEMO_ENTRIES:
         _MEMO.clear()
-    _MEMO[mkey] = (kernel, grid3, tuple(call), cvals, device_index, atpl, btpl, bdesc[2],
+    _MEMO[mkey] = (kernel, grid3, tuple(call), cvals, device_index, atpl, btpl, bdesc[2], ctpl,
                    (sms, c) if sk_mode else None, None if outs_given else ((M, N), out_dtype, A.device),
                    poison, err, held)  # fmt: skip
 
@@ -1368,7 +1403,7 @@ def _sk_settings() -> tuple:
 def _settings() -> tuple:
     """The module settings a call's launch depends on (the memo key's part of them)."""
     sem = epilogue.SCALED_MM_FP8_OUT["cuda"]
-    return (USE_TMA, _sk_settings(), AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"),
+    return (USE_TMA, _sk_settings(), TMA_STORE_BLOCK_N, AUTO_KERNEL.get("16bit"), AUTO_KERNEL.get("fp8"), SK_CONFIG.get("16bit"),
             SK_CONFIG.get("fp8"), sem.get("result_scale"), sem.get("e5m2_overflow"))  # fmt: skip
 
 
@@ -1417,7 +1452,7 @@ def _memo_launch(m, A, B, outs, err):
     """The memoized launch, or None where it cannot be taken (the caller takes the full path)."""
     if not _L.FAST or not _L.INT_POINTERS or _L._hooks():
         return None
-    kernel, grid, call, cvals, device_index, atpl, btpl, bt, sk, fresh, poison, held_err, _ = m
+    kernel, grid, call, cvals, device_index, atpl, btpl, bt, ctpl, sk, fresh, poison, held_err, _ = m
     if fresh is None:
         C = outs[0]
     else:
@@ -1427,6 +1462,8 @@ def _memo_launch(m, A, B, outs, err):
     call = list(call)
     # The descriptors from the templates of the key's layouts (the same shapes and strides).
     call[0], call[1], call[2] = _clone(atpl, A), _clone(btpl, B.t() if bt else B), C.data_ptr()
+    if ctpl is not None:  # the TMA store's descriptor of this call's C (same shape, strides, block)
+        call[-1] = _clone(ctpl, C)
     if sk is not None:
         pieces, sync = _sk_buffers(A.device, sk[0], sk[1])
         call[19], call[20] = pieces.data_ptr(), sync.data_ptr()

@@ -542,6 +542,97 @@ def test_big_tiles_on_small_odd_shapes(kernel, dtype):
     assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).to(out_dtype), k=2.0, atol=atol)
 
 
+def _tma_store_used() -> list:
+    """The TMA_STORE constexpr of every launch plan made since pm._TMA_PLANS was cleared."""
+    return [plan[5]["TMA_STORE"] for plan in pm._TMA_PLANS.values()]
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter: small tiles stand in for the production ones")
+@pytest.mark.parametrize("kernel", TMA_KERNELS)
+@pytest.mark.parametrize(
+    "case, W, M, N, out_dtype, store",
+    [
+        ("plain", 1, 72, 40, None, True),  # ragged M and N: the descriptor clips at C's edges
+        ("consumer", 3, 96, 56, None, True),  # chunks of 32 rows: whole 16-row tiles
+        ("ragged_chunks", 3, 72, 40, None, False),  # chunks of 24 rows: a tile would cross into the next
+        ("fp8_out", 1, 64, 48, FP8, True),  # one byte per element, saturated first
+        ("fp32_out", 1, 64, 48, torch.float32, False),  # its staging tile would take the loads' memory
+        ("unaligned_out", 1, 64, 48, "offset", False),  # C starts 2 bytes past a 16-byte boundary
+        ("odd_n", 1, 64, 44, torch.float16, False),  # FP8 in, rows of 88 bytes out: not 16-byte aligned
+    ],
+)
+def test_tma_store_serves_what_it_can_and_leaves_the_rest_to_the_masked_store(monkeypatch, kernel, case, W, M, N,
+                                                                              out_dtype, store):
+    """Whole tiles go out through a descriptor of C where every tile lies within its chunk and C
+    is a dense, 16-byte aligned 1- or 2-byte output; elsewhere the masked store. Both against
+    float64, poisoned outputs, every chunk order."""
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 16)  # the interpreter's 16 x 16 tiles qualify
+    K = 64
+    fp8_in = out_dtype in (FP8, torch.float16)
+    A, (B,) = _inputs(M, K, (N,), FP8 if fp8_in else torch.float16, SEED, col_major_b=fp8_in)
+    kw = dict(kernel=kernel, config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)
+    ref = A.double().cpu() @ B.double().cpu()
+    if out_dtype is FP8:  # saturated FP8 output through a result scale (as _scaled_mm)
+        kw.update(A_scale=torch.tensor(1.0, device=DEV), B_scales=[torch.tensor(1.0, device=DEV)],
+                  result_scale=torch.tensor(0.5, device=DEV), out_dtype=FP8)  # fmt: skip
+        ref = ref * 0.5
+    elif fp8_in:
+        kw.update(A_scale=torch.tensor(1.0, device=DEV), B_scales=[torch.tensor(1.0, device=DEV)],
+                  out_dtype=torch.float16)  # fmt: skip
+    odt = torch.float16 if out_dtype in (None, "offset") else out_dtype
+    for rank in range(W):
+        pm._TMA_PLANS.clear()
+        if out_dtype == "offset":
+            out = torch.full((M * N + 1,), float("nan"), device=DEV, dtype=odt)[1:].view(M, N)
+        else:
+            out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float32).to(odt)
+        order = torch.tensor([(rank + i) % W for i in range(W)], dtype=torch.int32, device=DEV)
+        flags = torch.ones(W, dtype=torch.int32, device=DEV)
+        mode = pm.MODE_CONSUMER if W > 1 else pm.MODE_PLAIN
+        (C,) = pm.persistent_matmul(A, [B], outs=[out], num_chunks=W, order=order, flags=flags, epoch=1, mode=mode,
+                                    **kw)  # fmt: skip
+        assert _tma_store_used() == [store], case
+        if out_dtype is FP8:
+            want = ref.clamp(-448, 448).to(FP8).double()
+            assert (C.double().cpu() - want).abs().max().item() <= want.abs().max().item() * 2**-3, case
+        else:
+            assert_matmul_close(C, ref, (A.float() @ B.float()).to(odt), k=2.0, atol=1e-5)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter: small tiles stand in for the production ones")
+@pytest.mark.parametrize("split", [7, ("split", 2, 2)], ids=["stream", "split"])
+def test_tma_store_of_whole_tiles_beside_a_split_last_wave(monkeypatch, split, sk_buffers):
+    """The tiles dealt out whole take the TMA store, the split tiles the masked store: every
+    element written once, right."""
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 16)
+    pm._TMA_PLANS.clear()
+    M, K, N = 96, 64, 48
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), kernel="tma",
+                                config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5, stream_k=split)  # fmt: skip
+    assert sk_buffers and _tma_store_used() == [True]
+    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter: small tiles stand in for the production ones")
+def test_guarded_tma_store_writes_nothing_once_a_wait_failed(monkeypatch):
+    """guard=True with the error record set: the TMA store is skipped like the masked one."""
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 16)
+    pm._TMA_PLANS.clear()
+    M, K, N = 64, 32, 48
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    err = torch.zeros(6, dtype=torch.int32, device=DEV)
+    err[0] = 1
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), kernel="tma", err=err, guard=True,
+                                poison=False, config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)  # fmt: skip
+    assert _tma_store_used() == [True]
+    assert torch.isnan(C.float()).all()
+    err[0] = 0
+    (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.float16), kernel="tma", err=err, guard=True,
+                                poison=False, config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5)  # fmt: skip
+    assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
+
+
 def test_forced_tma_kernel_refuses_what_it_cannot_serve():
     A, Bs = _inputs(64, 32, (16, 16), torch.float16, SEED)
     with pytest.raises(ValueError, match="kernel='tma' needs one B"):
@@ -1667,6 +1758,32 @@ def test_the_launch_memo_holds_only_its_own_defaults_and_serves_parameters(fake_
         assert entry[-2] is None and entry[-1][0] is None, "the caller's err / order held by the memo"
 
 
+@pytest.mark.skipif(CUDA, reason="CPU check of the launch memo")
+@pytest.mark.parametrize("given_out", [False, True])
+def test_the_launch_memo_gives_the_tma_store_this_calls_output(fake_launcher, monkeypatch, given_out):
+    """A served launch's descriptor of C is over this call's output (a fresh one, or the one
+    given), with the full path's fields; nothing of an earlier call's output."""
+    k, hits = fake_launcher
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 16)
+    A, B = _rnd(48, 64, dtype=torch.float16), _rnd(64, 32, dtype=torch.float16)
+    out = torch.empty(48, 32, dtype=torch.float16)
+    kw = dict(kernel="tma", config=pm.Config(16, 16, 32, 2, 4, 2), num_sms=5, outs=[out] if given_out else None)
+    descs = []
+    for _ in range(3):
+        (C,) = pm.persistent_matmul(A, [B], **kw)
+        call = k.calls[-1]
+        got = [a for a in (call[2] if call[0] == "plain" else call) if hasattr(a, "block_shape")]
+        assert len(got) == 3, "A, B and C descriptors"
+        descs.append((got[-1], C))
+    assert hits == [True, True]  # (the fake launcher launches directly from the first call)
+    for d, C in descs:
+        assert d.base is C and tuple(d.block_shape) == (16, 16)
+        assert {k: v for k, v in d.__dict__.items() if k != "base"} == {
+            k: v for k, v in descs[0][0].__dict__.items() if k != "base"}
+    if not given_out:
+        assert len({C.data_ptr() for _, C in descs}) == 3
+
+
 def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
     """Every module setting a plan reads is part of the memo key."""
     from mptp_kernels.kernels import epilogue
@@ -1674,7 +1791,8 @@ def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
     base = pm._settings()
     changes = [(pm, "STREAM_K", "stream"), (pm, "USE_TMA", False), (pm, "SK_SPLIT_COST", 0.5),
                (pm, "SK_MIN_GAIN", 0.1), (pm, "SK_TILE_EFF", 0.9), (pm, "SK_MIN_FLOPS", 1.0), (pm, "SK_MAX_SPLIT", 4),
-               (pm, "SK_FP8_CONSUMER", True), (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
+               (pm, "SK_FP8_CONSUMER", True), (pm, "TMA_STORE_BLOCK_N", None), (pm, "TMA_STORE_BLOCK_N", 128),
+               (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
                (pm, "SK_CONFIG", {"16bit": pm.Config(128, 128, 64, 8, 4, 4), "fp8": pm.SK_CONFIG["fp8"]}),
                (epilogue, "SCALED_MM_FP8_OUT", {**epilogue.SCALED_MM_FP8_OUT,
                                                  "cuda": {"result_scale": "reciprocal", "e5m2_overflow": "saturate"}})]  # fmt: skip
