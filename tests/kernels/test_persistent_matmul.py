@@ -633,6 +633,31 @@ def test_guarded_tma_store_writes_nothing_once_a_wait_failed(monkeypatch):
     assert_matmul_close(C, A.double().cpu() @ B.double().cpu(), (A.float() @ B.float()).half(), k=2.0, atol=1e-5)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: production tiles")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=str)
+@pytest.mark.parametrize("N, store", [(3584, True), (768, False)])
+def test_tma_store_at_production_size(dtype, N, store):
+    """The default plan takes the TMA store with 128 x 256 tiles (plain and consumer, W = 8)
+    and not with 128 x 128 ones; the results match cuBLAS either way."""
+    M, K, W = 4096, 1792, 8
+    A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
+    kw = {}
+    if dtype == FP8:
+        kw = dict(A_scale=torch.rand(M, 1, device=DEV) + 0.5, B_scales=[torch.rand(1, N, device=DEV) + 0.5],
+                  out_dtype=torch.bfloat16)  # fmt: skip
+        peer = torch._scaled_mm(A, B, kw["A_scale"], kw["B_scales"][0], out_dtype=torch.bfloat16, use_fast_accum=True)
+        exact = (A.double() @ B.double()) * kw["A_scale"].double() * kw["B_scales"][0].double()
+    else:
+        peer, exact = A @ B, A.double() @ B.double()
+    for extra in ({}, dict(num_chunks=W, flags=torch.ones(W, dtype=torch.int32, device=DEV), epoch=1,
+                           mode=pm.MODE_CONSUMER)):  # fmt: skip
+        pm._TMA_PLANS.clear()
+        (C,) = pm.persistent_matmul(A, [B], outs=_poisoned(M, (N,), torch.bfloat16), stream_k=False, **extra, **kw)
+        torch.cuda.synchronize()
+        assert _tma_store_used() == [store]
+        assert_matmul_close(C, exact, peer, k=2.0, atol=1e-3)
+
+
 def test_forced_tma_kernel_refuses_what_it_cannot_serve():
     A, Bs = _inputs(64, 32, (16, 16), torch.float16, SEED)
     with pytest.raises(ValueError, match="kernel='tma' needs one B"):
