@@ -69,7 +69,8 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
     fns = {"cublas": cublas, "mptp": run(), "mptp_consumer": run(consumer=True)}
     if stream_k:  # the default path with whole tiles only, and with each way of splitting the last wave
         fns["mptp_whole_tiles"] = run(stream_k=False)
-    # The default path with the masked pointer store everywhere (no TMA store of whole tiles).
+    # The default path with the masked pointer store everywhere (no TMA store of whole tiles):
+    # where TMA_STORE_BLOCK_N is None (the default) the same kernel as "mptp".
     fns["mptp_ptr_store"] = pointer_store(run())
     if stream_k and not lean:
         fns["mptp_split"] = run(stream_k="split")

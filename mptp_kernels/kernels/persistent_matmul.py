@@ -1058,10 +1058,11 @@ TensorDescriptor = None
 # default; recalibrated on the diagnosis of cf165a0 (SK_SPLIT_COST), it is "split" again.
 # "stream" is slower everywhere measured (up to 1.45x).
 STREAM_K = "split"
-# The TMA store of whole tiles (_launch_tma): configs with BLOCK_N >= this; None: never. Measured
-# on the H100 (bench/diag_tma_store.py, bench/NOTES.md item 23): faster with 128 x 256 tiles,
-# slower with 128 x 128.
-TMA_STORE_BLOCK_N = 256
+# The TMA store of whole tiles (_launch_tma): configs with BLOCK_N >= this; None (the default):
+# never. Off: on the H100 a stand-alone kernel gained 1-7% from it with 128 x 256 tiles (and lost
+# with 128 x 128), but this kernel with it on for 128 x 256 tiles measured level with the masked
+# store, same run (bench/NOTES.md item 23). Kept, tested, for other GPUs and Tritons to measure.
+TMA_STORE_BLOCK_N = None
 SK_CONFIG = {"16bit": Config(128, 256, 64, 8, 8, 3), "fp8": Config(128, 256, 128, 8, 8, 3)}
 # Calibrated on an H100 (bench/diag_stream_k.py, bf16, M 4096 / 8192, N 768 / 1280, graph timing,
 # bench/results/h100_diag_stream_k_cf165a0.txt): a 128 x 128 tile wave takes 0.62 of a 128 x 256
@@ -1266,9 +1267,9 @@ def _launch_tma(A, B, C, cfg, sms, num_chunks, order, flags, epoch, mode, timeou
         else:
             tiles = num_chunks * _cdiv(M // num_chunks, c.BLOCK_M) * _cdiv(N, c.BLOCK_N)
             grid = (max(1, min(sms, tiles)),)
-        # The TMA store: measured faster with BLOCK_N = 256 tiles, slower with 128 (bench/NOTES.md
-        # item 23); every whole tile must lie within its chunk's rows (the descriptor clips at C's
-        # edges only: a tile crossing into the next chunk would overwrite that chunk's rows).
+        # The TMA store (TMA_STORE_BLOCK_N): every whole tile must lie within its chunk's rows
+        # (the descriptor clips at C's edges only: a tile crossing into the next chunk would
+        # overwrite that chunk's rows, maybe before they arrived).
         tma_store = (c_ok and c.BLOCK_N >= TMA_STORE_BLOCK_N
                      and (num_chunks == 1 or (M // num_chunks) % c.BLOCK_M == 0))  # fmt: skip
         constexprs = dict(

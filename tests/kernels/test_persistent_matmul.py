@@ -636,9 +636,11 @@ def test_guarded_tma_store_writes_nothing_once_a_wait_failed(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: production tiles")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=str)
 @pytest.mark.parametrize("N, store", [(3584, True), (768, False)])
-def test_tma_store_at_production_size(dtype, N, store):
-    """The default plan takes the TMA store with 128 x 256 tiles (plain and consumer, W = 8)
-    and not with 128 x 128 ones; the results match cuBLAS either way."""
+def test_tma_store_at_production_size(monkeypatch, dtype, N, store):
+    """With TMA_STORE_BLOCK_N = 256 (off by default), the default plan takes the TMA store with
+    128 x 256 tiles (plain and consumer, W = 8) and not with 128 x 128 ones; the results match
+    cuBLAS either way."""
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 256)
     M, K, W = 4096, 1792, 8
     A, (B,) = _inputs(M, K, (N,), dtype, SEED, col_major_b=dtype == FP8)
     kw = {}
@@ -1816,7 +1818,7 @@ def test_the_launch_memo_key_follows_the_module_settings(monkeypatch):
     base = pm._settings()
     changes = [(pm, "STREAM_K", "stream"), (pm, "USE_TMA", False), (pm, "SK_SPLIT_COST", 0.5),
                (pm, "SK_MIN_GAIN", 0.1), (pm, "SK_TILE_EFF", 0.9), (pm, "SK_MIN_FLOPS", 1.0), (pm, "SK_MAX_SPLIT", 4),
-               (pm, "SK_FP8_CONSUMER", True), (pm, "TMA_STORE_BLOCK_N", None), (pm, "TMA_STORE_BLOCK_N", 128),
+               (pm, "SK_FP8_CONSUMER", True), (pm, "TMA_STORE_BLOCK_N", 256), (pm, "TMA_STORE_BLOCK_N", 128),
                (pm, "AUTO_KERNEL", {"16bit": "tma_flat", "fp8": "tma"}),
                (pm, "SK_CONFIG", {"16bit": pm.Config(128, 128, 64, 8, 4, 4), "fp8": pm.SK_CONFIG["fp8"]}),
                (epilogue, "SCALED_MM_FP8_OUT", {**epilogue.SCALED_MM_FP8_OUT,
