@@ -8,8 +8,10 @@ A stand-alone persistent matmul shaped like kernels/persistent_matmul.py's plain
   tma: the tile through a host TensorDescriptor of C (asynchronous: the next tile's loads need
        not wait for it),
   tma2: the same in two halves of BLOCK_N / 2 columns (less shared memory for the staging).
-GPU times from CUDA graphs (median, bench/common.bench_us), against cuBLAS (torch.mm, or
-torch._scaled_mm with fast accumulation) and the package's own kernel, same run, same inputs.
+GPU times from CUDA graphs (median, bench/common.bench_us; with --rounds, the providers
+interleaved and the median over rounds), against cuBLAS (torch.mm, or torch._scaled_mm with
+fast accumulation) and the package's own kernel (pkg: its default plan; pkg_whole: whole tiles;
+pkg_whole_tma: whole tiles with its TMA store on), same run, same inputs.
 """
 
 import argparse
@@ -96,7 +98,20 @@ def run(A, B, C, cfg, store, a_s=None, b_s=None):
                   num_stages=cfg.num_stages)  # fmt: skip
 
 
-def case(M, N, K, dtype, lines):
+def _tma_store(fn, on):
+    """fn with the package's TMA store forced on (128 x 256 tiles) or off while it runs."""
+
+    def call():
+        was, pm.TMA_STORE_BLOCK_N = pm.TMA_STORE_BLOCK_N, (256 if on else None)
+        try:
+            return fn()
+        finally:
+            pm.TMA_STORE_BLOCK_N = was
+
+    return call
+
+
+def case(M, N, K, dtype, lines, rounds=1):
     torch.manual_seed(0)
     A = torch.randn(M, K, device="cuda")
     B = torch.randn(K, N, device="cuda") / K**0.5
@@ -105,20 +120,25 @@ def case(M, N, K, dtype, lines):
         A, B = A.bfloat16(), B.bfloat16()
         a_s = b_s = None
         ref = A.float() @ B.float()
-        fns = {"cublas": lambda: torch.mm(A, B), "pkg": lambda: pm.persistent_matmul(A, [B], outs=[C])}
+        pkw = {}
+        fns = {"cublas": lambda: torch.mm(A, B)}
     else:
         A = A.to(torch.float8_e4m3fn)
         B = B.t().contiguous().to(torch.float8_e4m3fn).t()
         a_s = torch.rand(M, 1, device="cuda") + 0.5
         b_s = torch.rand(1, N, device="cuda") + 0.5
         ref = (A.float() @ B.float()) * a_s * b_s
-        fns = {"cublas": lambda: torch._scaled_mm(A, B, a_s, b_s, out_dtype=torch.bfloat16, use_fast_accum=True),
-               "pkg": lambda: pm.persistent_matmul(A, [B], outs=[C], A_scale=a_s, B_scales=[b_s], fast_accum=True)}
+        pkw = dict(A_scale=a_s, B_scales=[b_s], fast_accum=True)
+        fns = {"cublas": lambda: torch._scaled_mm(A, B, a_s, b_s, out_dtype=torch.bfloat16, use_fast_accum=True)}
+    # The package: its default plan, whole tiles, whole tiles with the TMA store (pointer store otherwise).
+    fns["pkg"] = _tma_store(lambda: pm.persistent_matmul(A, [B], outs=[C], **pkw), False)
+    fns["pkg_whole"] = _tma_store(lambda: pm.persistent_matmul(A, [B], outs=[C], stream_k=False, **pkw), False)
+    fns["pkg_whole_tma"] = _tma_store(lambda: pm.persistent_matmul(A, [B], outs=[C], stream_k=False, **pkw), True)
     cfg = pm.pick_config(A.dtype, M, [N], K)
     fs, bs = (a_s.view(-1), b_s.view(-1)) if a_s is not None else (None, None)
     for name, st in (("ptr", 0), ("tma", 1), ("tma2", 2)):
         fns[name] = lambda st=st: run(A, B, C, cfg, st, fs, bs)
-    for name in ("pkg", "ptr", "tma", "tma2"):
+    for name in ("pkg", "pkg_whole", "pkg_whole_tma", "ptr", "tma", "tma2"):
         C.fill_(float("nan"))
         try:
             fns[name]()
@@ -128,8 +148,14 @@ def case(M, N, K, dtype, lines):
             continue
         err = ((C.float() - ref).norm() / ref.norm()).item()
         assert err < 3e-2, (name, err)
-    g = with_graphs(fns)
-    res = {k[:-6]: bench_us(v) for k, v in g.items() if k.endswith("@graph")}
+    g = {k: v for k, v in with_graphs(fns).items() if k.endswith("@graph")}
+    # Rounds interleave the providers (a slow stretch of the GPU hits every provider alike); the
+    # median over rounds per provider.
+    runs = {k[:-6]: [] for k in g}
+    for _ in range(rounds):
+        for k, v in g.items():
+            runs[k[:-6]].append(bench_us(v))
+    res = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
     base = res["cublas"]
     row = f"{dtype:8s} M={M:5d} N={N:5d} K={K:5d} cfg={cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} " + "  ".join(
         f"{k} {v:7.1f} ({base / v:.3f}x)" for k, v in res.items())
@@ -141,6 +167,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--Ms", default="4096,8192")
     p.add_argument("--dtypes", default="bf16,fp8_row")
+    p.add_argument("--Ns", default=None, help="only these N (comma-separated)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per shape (median reported)")
     a = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; "
           "us from CUDA graphs (median); (x) = cuBLAS time / this time")  # fmt: skip
@@ -148,12 +176,14 @@ def main():
     for dtype in a.dtypes.split(","):
         for M in map(int, a.Ms.split(",")):
             for N, K in SHAPES:
-                case(M, N, K, dtype, lines)
+                if a.Ns and N not in [int(n) for n in a.Ns.split(",")]:
+                    continue
+                case(M, N, K, dtype, lines, a.rounds)
     import math
 
     for dtype in a.dtypes.split(","):
         rows = [r for d, r in lines if d == dtype]
-        for k in ("pkg", "ptr", "tma", "tma2"):
+        for k in ("pkg", "pkg_whole", "pkg_whole_tma", "ptr", "tma", "tma2"):
             got = [r["cublas"] / r[k] for r in rows if k in r]
             if got:
                 print(f"geomean {dtype:8s} {k:5s} {math.exp(sum(map(math.log, got)) / len(got)):.3f} ({len(got)} shapes)")
