@@ -122,7 +122,7 @@ def main():
             A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
         "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
     }  # fmt: skip
-    os.environ.update(PATHS["fused"])
+    os.environ.update(dict(PATHS)["fused"])
     for fn in ops.values():
         for _ in range(3):
             fn()
