@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call within a time budget (BUDGET_S, default 570): build; the GPU test groups in
 # parallel (GROUP_A/B/C, as scripts/gpu_tests.sh); then, one after another while time is left,
-# the host time per stage (profile_stages.py; a py-spy profile too where .whl/py-spy is carried), the cost model's check (check_cost_model.py) and
+# the host time per stage (profile_stages.py; a py-spy profile too where .whl/py-spy is carried; the driver-call floor, profile_floor.py), the cost model's check (check_cost_model.py) and
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
@@ -38,6 +38,11 @@ if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
     done
   fi
   step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
+  # The floor: each op's recorded driver calls replayed alone, beside the op (W = 2 and 8).
+  for w in 2 8; do
+    MPTP_TIMEOUT_S=10 step "floor_w$w" 60 "profile_floor_w$w.txt" python3 bench/profile_floor.py --W "$w" --calls 200
+    grep -v "^\[rank" "$OUT/bench/profile_floor_w$w.txt" | tail -4
+  done
   grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 fi
 if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and from CUDA graphs
