@@ -15,7 +15,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, geomean, with_graphs  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_TP8_NK,
+    append_rows,
+    bench_us,
+    env_columns,
+    geomean,
+    with_graphs,
+    with_setting,
+)
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 
@@ -31,20 +39,6 @@ def make(M, N, K, kind):
     if kind == "fp8_tensor":
         return A8, B8, torch.tensor(0.5, device="cuda"), torch.tensor(0.125, device="cuda")
     return A8, B8, torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") / 8
-
-
-def pointer_store(fn):
-    """fn with the TMA store off (pm.TMA_STORE_BLOCK_N = None) while it runs (a CUDA graph
-    captured from it keeps that kernel)."""
-
-    def call():
-        was, pm.TMA_STORE_BLOCK_N = pm.TMA_STORE_BLOCK_N, None
-        try:
-            return fn()
-        finally:
-            pm.TMA_STORE_BLOCK_N = was
-
-    return call
 
 
 def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat"), stream_k=True, tune_sk=False,
@@ -71,7 +65,7 @@ def providers(M, N, K, kind, cfg=None, W=8, kernels=("pointer", "tma", "tma_flat
         fns["mptp_whole_tiles"] = run(stream_k=False)
     # The default path with the masked pointer store everywhere (no TMA store of whole tiles):
     # where TMA_STORE_BLOCK_N is None (the default) the same kernel as "mptp".
-    fns["mptp_ptr_store"] = pointer_store(run())
+    fns["mptp_ptr_store"] = with_setting(pm, "TMA_STORE_BLOCK_N", None, run())
     if stream_k and not lean:
         fns["mptp_split"] = run(stream_k="split")
         fns["mptp_stream"] = run(stream_k="stream")

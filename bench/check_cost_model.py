@@ -25,7 +25,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_all_gather_matmul as ag_bench  # noqa: E402
 import bench_matmul_reduce_scatter as rs_bench  # noqa: E402
-from common import LLAMA_TP8_NK, append_rows, bench_us, env_columns, with_env, with_graphs  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_TP8_NK,
+    append_rows,
+    bench_us,
+    env_columns,
+    with_env,
+    with_graphs,
+    with_setting,
+)
 from profile_loopback import PATHS as _PATHS  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
@@ -45,14 +53,7 @@ def _whole_tiles(fn):
     """fn with the launch plan off (whole tiles of the default config; the plan's cache keys on
     STREAM_K, so each setting has its own plans)."""
 
-    def run():
-        old, pm.STREAM_K = pm.STREAM_K, None
-        try:
-            return fn()
-        finally:
-            pm.STREAM_K = old
-
-    return run
+    return with_setting(pm, "STREAM_K", None, fn)
 
 
 def _case(op, group_name, W, M, N, K, kind):

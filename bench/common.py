@@ -179,6 +179,21 @@ def with_env(env: dict, fn):
     return run
 
 
+def with_setting(module, name: str, value, fn):
+    """fn with module.name set to value while it runs, restored after it (a CUDA graph captured
+    from it keeps what that setting launched)."""
+
+    def run():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, old)
+
+    return run
+
+
 def with_graphs(fns: dict) -> dict:
     """Adds '<name>@graph' for each provider: the same work captured in a CUDA graph and replayed,
     which removes host launch overhead and leaves what the GPU does."""

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_us, with_graphs  # noqa: E402
+from common import bench_us, with_graphs, with_setting  # noqa: E402
 
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 
@@ -100,15 +100,7 @@ def run(A, B, C, cfg, store, a_s=None, b_s=None):
 
 def _tma_store(fn, on):
     """fn with the package's TMA store forced on (128 x 256 tiles) or off while it runs."""
-
-    def call():
-        was, pm.TMA_STORE_BLOCK_N = pm.TMA_STORE_BLOCK_N, (256 if on else None)
-        try:
-            return fn()
-        finally:
-            pm.TMA_STORE_BLOCK_N = was
-
-    return call
+    return with_setting(pm, "TMA_STORE_BLOCK_N", 256 if on else None, fn)
 
 
 def case(M, N, K, dtype, lines, rounds=1):

@@ -27,12 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_rows, env_columns  # noqa: E402
 from profile_host import BURST, host_stats  # noqa: E402
 from profile_loopback import PATHS  # noqa: E402
+from profile_stages import loopback_ops  # noqa: E402
 
 import mptp_kernels  # noqa: E402,F401
 from mptp_kernels.kernels import launch as L  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
 from mptp_kernels.symm import _C  # noqa: E402
-from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buffers  # noqa: E402
+from mptp_kernels.symm.loopback import mirror_loopback_buffers  # noqa: E402
 
 
 class _Recorder:
@@ -107,21 +108,8 @@ def main():
     p.add_argument("--W", type=int, default=2)
     p.add_argument("--calls", type=int, default=200)
     a = p.parse_args()
-    g = init_loopback_group(a.W)
     M, N, K = 8192, 4096, 1792
-    A = torch.randn(M // a.W, K, device="cuda").bfloat16()
-    A_rs = torch.randn(M, K, device="cuda").bfloat16()
-    B = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
-    A8 = A.float().to(torch.float8_e4m3fn)
-    B8 = B.float().t().contiguous().to(torch.float8_e4m3fn).t()
-    sa = torch.rand(M // a.W, 1, device="cuda") + 0.5
-    sb = torch.rand(1, N, device="cuda") + 0.5
-    ops = {
-        "all_gather_matmul bf16": lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g),
-        "all_gather_scaled_matmul fp8 row": lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
-            A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
-        "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
-    }  # fmt: skip
+    g, ops = loopback_ops(a.W, M, N, K)
     os.environ.update(dict(PATHS)["fused"])
     for fn in ops.values():
         for _ in range(3):

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_persistent_matmul import make  # noqa: E402
-from common import append_rows, env_columns  # noqa: E402
+from common import append_rows, env_columns, with_setting  # noqa: E402
 
 from mptp_kernels.kernels import launch as L  # noqa: E402
 from mptp_kernels.kernels import persistent_matmul as pm  # noqa: E402
@@ -155,14 +155,7 @@ def main():
         return call
 
     def memo(fn, on):
-        def call():
-            was, pm.MEMO = pm.MEMO, on
-            try:
-                return fn()
-            finally:
-                pm.MEMO = was
-
-        return call
+        return with_setting(pm, "MEMO", on, fn)
 
     for name in ("persistent_matmul bf16 auto", "persistent_matmul fp8 row tma"):
         fns[f"{name}, launch memo"] = memo(fns[name], True)

@@ -73,26 +73,32 @@ STAGES = [
 ]  # fmt: skip
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--W", type=int, default=8)
-    p.add_argument("--calls", type=int, default=300)
-    a = p.parse_args()
-    g = init_loopback_group(a.W)
-    M, N, K = 8192, 4096, 1792
-    A = torch.randn(M // a.W, K, device="cuda").bfloat16()
+def loopback_ops(W: int, M: int = 8192, N: int = 4096, K: int = 1792):
+    """(group name, {name: one call}) of the three profiled ops on a new loopback group of W:
+    bf16 all-gather-matmul, FP8 row-wise all-gather-matmul, bf16 matmul-reduce-scatter."""
+    g = init_loopback_group(W)
+    A = torch.randn(M // W, K, device="cuda").bfloat16()
     A_rs = torch.randn(M, K, device="cuda").bfloat16()
     B = (torch.randn(K, N, device="cuda") * K**-0.5).bfloat16()
     A8 = A.float().to(torch.float8_e4m3fn)
     B8 = B.float().t().contiguous().to(torch.float8_e4m3fn).t()
-    sa = torch.rand(M // a.W, 1, device="cuda") + 0.5
+    sa = torch.rand(M // W, 1, device="cuda") + 0.5
     sb = torch.rand(1, N, device="cuda") + 0.5
-    ops = {
+    return g, {
         "all_gather_matmul bf16": lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g),
         "all_gather_scaled_matmul fp8 row": lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
             A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
         "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
     }  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--W", type=int, default=8)
+    p.add_argument("--calls", type=int, default=300)
+    a = p.parse_args()
+    M, N, K = 8192, 4096, 1792
+    g, ops = loopback_ops(a.W, M, N, K)
     os.environ.update(PATHS["fused"])
     for fn in ops.values():
         fn()
