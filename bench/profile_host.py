@@ -90,15 +90,7 @@ def launcher_only(fn):
 def with_launch_flag(fn, flag):
     """fn with kernels.launch's switch `flag` off (C_PREPARE: the arguments bound by the Python
     loop; INT_POINTERS: CUDA tensors handed to the launcher as tensors)."""
-
-    def call():
-        setattr(L, flag, False)
-        try:
-            return fn()
-        finally:
-            setattr(L, flag, True)
-
-    return call
+    return with_setting(L, flag, False, fn)
 
 
 def profile(fn, calls, top=25, sorts=("tottime",)):
