@@ -660,6 +660,38 @@ def test_tma_store_at_production_size(monkeypatch, dtype, N, store):
         assert_matmul_close(C, exact, peer, k=2.0, atol=1e-3)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: production tiles and CUDA graphs")
+def test_tma_store_in_a_cuda_graph_and_eager_between_replays(monkeypatch):
+    """With the TMA store on, a captured launch replays into its own output (the descriptor of C
+    is baked into the graph), and eager launches of the same shape between replays -- launch
+    memo hits, each with a fresh C and so a fresh descriptor -- write theirs, not the graph's."""
+    monkeypatch.setattr(pm, "TMA_STORE_BLOCK_N", 256)
+    M, N, K = 4096, 3584, 1792
+    A, (B,) = _inputs(M, K, (N,), torch.bfloat16, SEED)
+    static_A = A.clone()
+    pm._TMA_PLANS.clear()
+    pm.persistent_matmul(static_A, [B], stream_k=False)  # compile outside the capture
+    pm.persistent_matmul(static_A, [B], stream_k=False)  # and record the memo entry
+    assert _tma_store_used() == [True]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        (C,) = pm.persistent_matmul(static_A, [B], stream_k=False)
+    for i in range(3):
+        Ai = _inputs(M, K, (N,), torch.bfloat16, SEED + 100 + i)[0]
+        static_A.copy_(Ai)
+        C.fill_(float("nan"))
+        g.replay()
+        Es = [pm.persistent_matmul(static_A, [B], stream_k=False)[0] for _ in range(2)]  # eager, same stream
+        torch.cuda.synchronize()
+        ref = Ai.double() @ B.double()
+        peer = (Ai.float() @ B.float()).bfloat16()
+        assert_matmul_close(C, ref, peer, k=2.0, atol=1e-5, what="replay")
+        for E in Es:
+            assert E.data_ptr() != C.data_ptr()
+            assert_matmul_close(E, ref, peer, k=2.0, atol=1e-5, what="eager between replays")
+    assert _tma_store_used() == [True]
+
+
 def test_forced_tma_kernel_refuses_what_it_cannot_serve():
     A, Bs = _inputs(64, 32, (16, 16), torch.float16, SEED)
     with pytest.raises(ValueError, match="kernel='tma' needs one B"):
@@ -1053,6 +1085,42 @@ def test_int64_reduce_partials_past_2_pow_31():
     idx = torch.tensor([0, 1, 2**29, 2**30 - 1, 2**30, numel - 2, numel - 1], device=DEV)
     ref = P[:, idx].double().sum(0)
     torch.testing.assert_close(out[idx].double(), ref.bfloat16().double(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU (20 GB)")
+def test_int64_in_matmul_sum_past_2_pow_31():
+    """reduce= (the in-matmul sum) with chunks of Mc x N > 2**31 elements: the slot step (p * Mc *
+    N) and the row offsets (row * N past row 32768) pass 2**31. Rank 0 of 2, the peer's partial
+    pre-set in slot 1 and its arrival flagged."""
+    W, Mc, N, K, rank = 2, 36864, 65536, 64, 0
+    A = randn((W * Mc, K), SEED, device=DEV).bfloat16()
+    B = randn((K, N), SEED + 1, scale=K**-0.5, device=DEV).bfloat16()
+    slots = torch.empty((W, Mc, N), device=DEV, dtype=torch.bfloat16)
+    slots[0].fill_(float("nan"))
+    slots[1].normal_()  # the peer's partial
+    sent = torch.full((Mc, N), float("nan"), device=DEV, dtype=torch.bfloat16)  # chunk 1, to its owner
+    peer_flags = torch.zeros(W, dtype=torch.int32, device=DEV)
+    red = pm.Reduce(rank=rank, slots=slots, out=torch.full((Mc, N), float("nan"), device=DEV, dtype=torch.bfloat16),
+                    counters=torch.zeros(W, dtype=torch.int32, device=DEV),
+                    arrive_to=torch.tensor([peer_flags.data_ptr() + 4 * c for c in range(W)], dtype=torch.int64,
+                                           device=DEV),
+                    arrived=torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+                    err=torch.zeros(6, dtype=torch.int32, device=DEV), scale=1.0)  # fmt: skip
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    (out,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[slots[0], sent], reduce=red,
+                                  kernel="tma")  # fmt: skip
+    torch.cuda.synchronize()
+    assert red.err.tolist() == [0] * 6 and peer_flags.tolist() == [0, 1]
+    boundary = BIG // N
+    rows = [0, boundary - 1, boundary, boundary + 1, Mc - 1]
+    got = out[rows].double()
+    ref = _rows_ref(A, B, rows) + slots[1][rows].double()
+    assert not torch.isnan(got).any() and rel_err(got, ref) < 1e-2, "the sum"
+    got_own = slots[0][rows].double()
+    assert not torch.isnan(got_own).any() and rel_err(got_own, _rows_ref(A, B, rows)) < 1e-2, "own partial"
+    got_sent = sent[rows].double()
+    ref_sent = _rows_ref(A, B, [Mc + r for r in rows])
+    assert not torch.isnan(got_sent).any() and rel_err(got_sent, ref_sent) < 1e-2, "chunk sent to its owner"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU: a flag that is never set, and globaltimer")
