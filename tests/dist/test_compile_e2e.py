@@ -149,3 +149,48 @@ def _fp8_mlp(seed):
 
 def test_fp8_mlp_compiled_with_pass(workers2):
     workers2.run(_fp8_mlp, 99, timeout_s=900)
+
+
+def _fp16_reduce_scatter(reduce_op):
+    """mm -> reduce_scatter in fp16, compiled with the pass: the partials are summed in fp32 and
+    rounded once (as the op does on every path), where gloo sums fp16 in fp16. Rank 0's partial is
+    2048 and every other's 1 (W = 3, sum: 2050, where a running fp16 sum drops each +1), or every
+    partial 60000 (W = 2, avg: 60000, where the fp16 sum overflows to inf on the way)."""
+    import torch.distributed._functional_collectives as fc
+
+    import mptp_kernels
+    from mptp_kernels.compile.micro_pipeline import recording
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD
+    mptp_kernels.enable_symm_mem_for_group(g.group_name)
+
+    def f(x, w):
+        return fc.reduce_scatter_tensor(x @ w, reduce_op, 0, g)
+
+    x = torch.zeros(2 * W, 8, dtype=torch.float16)
+    if reduce_op == "sum":
+        x[:, 0] = 2048.0 if r == 0 else 1.0
+    else:
+        x[:, 0] = 60000.0
+    w = torch.ones(8, 4, dtype=torch.float16)
+    partials = [torch.zeros(2 * W, 4, dtype=torch.float64) for _ in range(W)]
+    for p in range(W):
+        partials[p][:] = (2048.0 if p == 0 else 1.0) if reduce_op == "sum" else 60000.0
+    want = sum(partials)
+    if reduce_op == "avg":
+        want = want / W
+    want = want.chunk(W)[r].to(torch.float16)  # the exact value, rounded once
+    decisions = []
+    with recording(decisions):
+        out, code = _compile_and_code(f, x, w)
+    assert "mptp.fused_matmul_reduce_scatter" in code, decisions
+    assert out.dtype == torch.float16 and out.shape == (2, 4)
+    assert torch.equal(out, want), (out, want)
+    if reduce_op == "avg":  # the documented difference: gloo's running fp16 sum overflows
+        assert torch.isinf(f(x, w)).all()
+
+
+@pytest.mark.parametrize("world,reduce_op", [(3, "sum"), (2, "avg")])
+def test_fp16_reduce_scatter_sums_in_fp32_under_the_pass(request, world, reduce_op):
+    request.getfixturevalue(f"workers{world}").run(_fp16_reduce_scatter, reduce_op, timeout_s=900)
