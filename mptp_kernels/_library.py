@@ -55,11 +55,35 @@ _CUDA = {
     "fused_scaled_matmul_reduce_scatter": dispatch.scaled_matmul_reduce_scatter,
 }
 
+
+
+def _unview(t):
+    """t itself, or where t is a view (of a tensor the op made inside: a layout's movedim, a
+    chunk), a tensor over the same storage, offset, sizes and strides that is not one. An output
+    that is a view makes autograd refuse any in-place change of it ("output of a function that
+    returns multiple views"), where the unfused all-gather and matmul allow it (C += bias,
+    relu_)."""
+    if t is None or not t._is_view():
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def _fresh_outputs(fn):
+    def impl(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if isinstance(out, tuple):  # (A_out, [C_i])
+            return _unview(out[0]), [_unview(c) for c in out[1]]
+        return _unview(out)
+
+    return impl
+
+
 lib = torch.library.Library("mptp", "DEF")
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_TAGS)
-    lib.impl(_name, _CUDA[_name], "CPU")  # the dispatcher runs the reference on CPU (and checks agreement)
-    lib.impl(_name, _CUDA[_name], "CUDA")
+    _impl = _fresh_outputs(_CUDA[_name])
+    lib.impl(_name, _impl, "CPU")  # the dispatcher runs the reference on CPU (and checks agreement)
+    lib.impl(_name, _impl, "CUDA")
     torch.library.register_fake(f"mptp::{_name}", _REFERENCE[_name], lib=lib)
 
 # Autograd (fused backwards; the scaled ops are forward-only): ops/autograd.py.

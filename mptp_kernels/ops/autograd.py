@@ -99,14 +99,17 @@ def _ag_setup_context(ctx, inputs, keyword_only_inputs, output):
     # Unused outputs (often A_full) get None, not a materialized zero gradient.
     ctx.set_materialize_grads(False)
     ctx.regather = A_full is None  # only without the return_A rewrite (see register)
-    ctx.save_for_backward(A if A_full is None else A_full, *Bs)
+    # A_full (or A) only where a dB needs it, as the unfused matmul saves its input: otherwise a
+    # caller may change the returned A in place (autograd checks what was saved, on unpack).
+    need_B = any(isinstance(B, torch.Tensor) and B.requires_grad for B in Bs)
+    ctx.save_for_backward((A if A_full is None else A_full) if need_B else None, *Bs)
 
 
 def _ag_backward(ctx, dA_full, dCs):
     # NOTE: saved_tensors is unpacked once: non-reentrant activation checkpointing refuses a
     # second unpack.
     saved = ctx.saved_tensors
-    with no_autocast(saved[0]):
+    with no_autocast(next((t for t in saved if t is not None), None)):
         return _ag_backward_impl(ctx, saved, dA_full, dCs)
 
 

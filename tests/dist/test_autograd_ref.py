@@ -29,7 +29,10 @@ def _close(got, ref, what):
 # -- the ops --------------------------------------------------------------------------------------
 
 
-def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, grad_Bs):
+def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, grad_Bs, inplace=False):
+    """inplace: "C" changes the outputs C_i in place before the loss (C.mul_(1.5).add_(1), as a
+    bias add or an in-place activation after a column-parallel layer does), "A_out" the returned
+    A (A_out.mul_(2): allowed where no gradient needs A_full, i.e. no B requires grad)."""
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     last = gather_dim % len(shard_shape) == len(shard_shape) - 1
@@ -46,15 +49,22 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, g
     ref_shards = [s.clone().requires_grad_(grad_A) for s in shards]
     ref_Bs = [[b.clone().requires_grad_(grad_Bs) for b in bq] for bq in Bs]
     A_full = torch.cat(ref_shards, dim=gather_dim)
-    loss = sum((A_full @ b * gq).sum() for q in range(W) for b, gq in zip(ref_Bs[q], G[q]))
+    c_s = 1.5 if inplace == "C" else 1.0
+    a_s = 2.0 if inplace == "A_out" else 1.0
+    loss = sum(((A_full @ b) * c_s * gq).sum() for q in range(W) for b, gq in zip(ref_Bs[q], G[q]))
     if return_A and use_A_full:
-        loss = loss + sum((A_full * GA[q]).sum() for q in range(W))
+        loss = loss + sum((A_full * a_s * GA[q]).sum() for q in range(W))
     loss.backward()
 
     A = shards[r].clone().requires_grad_(grad_A)
     my_Bs = [b.clone().requires_grad_(grad_Bs) for b in Bs[r]]
     A_out, outs = torch.ops.mptp.fused_all_gather_matmul(A, my_Bs, gather_dim, g, return_A=return_A)
     assert (A_out is None) == (not return_A)
+    if inplace == "C":
+        for o in outs:
+            o.mul_(1.5).add_(1.0)
+    elif inplace == "A_out":
+        A_out.mul_(2.0)
     local = sum((o * gq).sum() for o, gq in zip(outs, G[r]))
     if return_A and use_A_full:
         local = local + (A_out * GA[r]).sum()
@@ -66,6 +76,19 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, g
             _close(b.grad, ref_Bs[r][j].grad, f"dBs[{j}]")
         else:
             assert b.grad is None
+
+
+@pytest.mark.parametrize(
+    "shard_shape,gather_dim", [((5, 16), 0), ((4, 6), 1), ((3, 5, 16), 0), ((2, 3, 16), 1), ((2, 3, 8), 2)]
+)
+@pytest.mark.parametrize("return_A", [True, False])
+def test_all_gather_matmul_outputs_take_in_place_changes(workers2, shard_shape, gather_dim, return_A):
+    """C += bias or relu_ on an output under grad (and A_out *= 2 where dB does not need it), as
+    the unfused all-gather and matmul allow: no view error, and the gradients of the changed
+    outputs. (A_out changed while a dB needs it raises autograd's own version error, as unfused.)"""
+    workers2.run(_ag_grads, SEED, shard_shape, gather_dim, (24, 8), return_A, True, True, True, "C")
+    if return_A:
+        workers2.run(_ag_grads, SEED, shard_shape, gather_dim, (24, 8), True, True, True, False, "A_out")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -107,7 +130,7 @@ def _ag_unused_output(seed):
     assert my[0].grad is None
 
 
-def _rs_grads(seed, shape, scatter_dim, N, reduce_op, grad_A, grad_B):
+def _rs_grads(seed, shape, scatter_dim, N, reduce_op, grad_A, grad_B, inplace=False):
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     K = shape[-1]
@@ -122,16 +145,25 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, grad_A, grad_B):
     P = sum(a @ b for a, b in zip(ref_A, ref_B))
     if reduce_op == "avg":
         P = P / W
+    if inplace:
+        P = P * 1.5
     sum((c * gq).sum() for c, gq in zip(P.chunk(W, dim=scatter_dim), G)).backward()
 
     A = As[r].clone().requires_grad_(grad_A)
     B = Bs[r].clone().requires_grad_(grad_B)
     out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, g)
+    if inplace:
+        out.mul_(1.5).add_(1.0)
     (out * G[r]).sum().backward()
     if grad_A:
         _close(A.grad, ref_A[r].grad, "dA")
     if grad_B:
         _close(B.grad, ref_B[r].grad, "dB")
+
+
+@pytest.mark.parametrize("shape,scatter_dim,N", [((6, 16), 0, 8), ((2, 6, 16), 1, 8), ((2, 3, 8), 2, 12)])
+def test_matmul_reduce_scatter_output_takes_in_place_changes(workers2, shape, scatter_dim, N):
+    workers2.run(_rs_grads, SEED, shape, scatter_dim, N, "sum", True, True, inplace=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
