@@ -103,6 +103,12 @@ def _ag_setup_context(ctx, inputs, keyword_only_inputs, output):
     # caller may change the returned A in place (autograd checks what was saved, on unpack).
     need_B = any(isinstance(B, torch.Tensor) and B.requires_grad for B in Bs)
     ctx.save_for_backward((A if A_full is None else A_full) if need_B else None, *Bs)
+    # An output no input's gradient flows from does not require grad, as unfused: A_full where A
+    # does not, C_i where neither A nor B_i does.
+    dead = [] if A.requires_grad or A_full is None else [A_full]
+    dead += [C for C, B in zip(output[1], Bs) if not (A.requires_grad or B.requires_grad)]
+    if dead:
+        ctx.mark_non_differentiable(*dead)
 
 
 def _ag_backward(ctx, dA_full, dCs):

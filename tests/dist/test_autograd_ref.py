@@ -78,6 +78,27 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, return_A, use_A_full, grad_A, g
             assert b.grad is None
 
 
+def _ag_output_flags(seed, a_grad):
+    """Only B_0 of two requires grad (and A per a_grad): every output requires grad exactly where
+    a gradient flows from it, as all_gather(A) and A_full @ B_i do unfused; dB_0 is right."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    shards = [randn((3, 8), seed + q, dtype=F64) for q in range(W)]
+    B0, B1 = randn((8, 5), seed + 100 + r, dtype=F64), randn((8, 4), seed + 200 + r, dtype=F64)
+    A = shards[r].clone().requires_grad_(a_grad)
+    B0.requires_grad_(True)
+    A_out, (C0, C1) = torch.ops.mptp.fused_all_gather_matmul(A, [B0, B1], 0, g, return_A=True)
+    assert A_out.requires_grad == a_grad and C0.requires_grad and C1.requires_grad == a_grad
+    (C0.sum() + C1.sum() if a_grad else C0.sum()).backward()
+    _close(B0.grad, torch.cat(shards).t() @ torch.ones(3 * W, 5, dtype=F64), "dB_0")
+    assert B1.grad is None
+
+
+@pytest.mark.parametrize("a_grad", [False, True])
+def test_all_gather_matmul_outputs_require_grad_only_with_a_gradient_path(workers2, a_grad):
+    workers2.run(_ag_output_flags, SEED, a_grad)
+
+
 @pytest.mark.parametrize(
     "shard_shape,gather_dim", [((5, 16), 0), ((4, 6), 1), ((3, 5, 16), 0), ((2, 3, 16), 1), ((2, 3, 8), 2)]
 )
