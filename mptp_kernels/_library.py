@@ -56,7 +56,6 @@ _CUDA = {
 }
 
 
-
 def _unview(t):
     """t itself, or where t is a view (of a tensor the op made inside: a layout's movedim, a
     chunk), a tensor over the same storage, offset, sizes and strides that is not one. An output

@@ -32,10 +32,10 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
     partials are summed (and averaged) in fp32 and rounded once, saturating, on every
     transport (gloo cannot reduce FP8, and FP8 tensors cannot be divided). fp16 likewise
     (unsaturated), on every transport: summed in fp16, as gloo and NCCL sum it, a running
-    sum can overflow to inf where the sum or the average fits, which the fused path's fp32
-    reduction never does (so the unfused collective and this op differ there). On mptp's
-    own transport bf16, fp16 and fp32 are summed in fp32 in rank order and averaged before
-    their one rounding, as the fused path does.
+    sum could overflow to inf where the sum or the average fits; the fp32 sum, as the fused
+    path's, never does (so this op and the unfused collective differ there). On mptp's own
+    transport bf16, fp16 and fp32 are summed in fp32 in rank order and averaged before their
+    one rounding, as the fused path does.
     """
     if scatter_dim != 0:
         # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
