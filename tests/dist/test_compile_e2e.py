@@ -174,13 +174,8 @@ def _fp16_reduce_scatter(reduce_op):
     else:
         x[:, 0] = 60000.0
     w = torch.ones(8, 4, dtype=torch.float16)
-    partials = [torch.zeros(2 * W, 4, dtype=torch.float64) for _ in range(W)]
-    for p in range(W):
-        partials[p][:] = (2048.0 if p == 0 else 1.0) if reduce_op == "sum" else 60000.0
-    want = sum(partials)
-    if reduce_op == "avg":
-        want = want / W
-    want = want.chunk(W)[r].to(torch.float16)  # the exact value, rounded once
+    # The exact value, rounded once: 2048 + (W - 1), or the mean 60000.
+    want = torch.full((2, 4), 2048.0 + (W - 1) if reduce_op == "sum" else 60000.0, dtype=torch.float16)
     decisions = []
     with recording(decisions):
         out, code = _compile_and_code(f, x, w)

@@ -303,15 +303,19 @@ def test_a_scatter_takes_the_launch_plan_unless_it_sums(monkeypatch):
     assert got == [(None, large), (False, None), (False, None)], got
 
 
-def _reduce_case(W, rank, M, N, out_dtype, scale, seed):
+def _reduce_case(W, rank, M, N, out_dtype, scale, seed, peer_fill=None):
     """This rank's buffer [W, M // W, N] with the peers' partials in (the own slot NaN), the
     arrival flags pre-set (the interpreter runs programs one by one: nothing may wait), and the
-    flags the launch must set in the owners' pads (`peer_flags`, one per chunk)."""
+    flags the launch must set in the owners' pads (`peer_flags`, one per chunk). peer_fill(slot),
+    where given, fills a peer's slot in place (on the device) instead of seeded CPU values."""
     Mc = M // W
     slots = torch.full((W, Mc, N), float("nan"), device=DEV, dtype=out_dtype)
     for p in range(W):
         if p != rank:
-            slots[p] = randn((Mc, N), seed + 100 + p, scale=4.0).to(DEV, out_dtype)
+            if peer_fill is not None:
+                peer_fill(slots[p])
+            else:
+                slots[p] = randn((Mc, N), seed + 100 + p, scale=4.0).to(DEV, out_dtype)
     peer_flags = torch.zeros(W, dtype=torch.int32, device=DEV)
     arrive_to = torch.tensor([peer_flags.data_ptr() + 4 * c for c in range(W)], dtype=torch.int64, device=DEV)
     arrived = torch.tensor([0 if p == rank else 1 for p in range(W)], dtype=torch.int32, device=DEV)
@@ -1095,17 +1099,9 @@ def test_int64_in_matmul_sum_past_2_pow_31():
     W, Mc, N, K, rank = 2, 36864, 65536, 64, 0
     A = randn((W * Mc, K), SEED, device=DEV).bfloat16()
     B = randn((K, N), SEED + 1, scale=K**-0.5, device=DEV).bfloat16()
-    slots = torch.empty((W, Mc, N), device=DEV, dtype=torch.bfloat16)
-    slots[0].fill_(float("nan"))
-    slots[1].normal_()  # the peer's partial
+    red, peer_flags = _reduce_case(W, rank, W * Mc, N, torch.bfloat16, 1.0, SEED, peer_fill=lambda s: s.normal_())
+    slots = red.slots
     sent = torch.full((Mc, N), float("nan"), device=DEV, dtype=torch.bfloat16)  # chunk 1, to its owner
-    peer_flags = torch.zeros(W, dtype=torch.int32, device=DEV)
-    red = pm.Reduce(rank=rank, slots=slots, out=torch.full((Mc, N), float("nan"), device=DEV, dtype=torch.bfloat16),
-                    counters=torch.zeros(W, dtype=torch.int32, device=DEV),
-                    arrive_to=torch.tensor([peer_flags.data_ptr() + 4 * c for c in range(W)], dtype=torch.int64,
-                                           device=DEV),
-                    arrived=torch.tensor([0, 1], dtype=torch.int32, device=DEV),
-                    err=torch.zeros(6, dtype=torch.int32, device=DEV), scale=1.0)  # fmt: skip
     order = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
     (out,) = pm.persistent_matmul(A, [B], num_chunks=W, order=order, scatter_to=[slots[0], sent], reduce=red,
                                   kernel="tma")  # fmt: skip
