@@ -63,7 +63,10 @@ def _delta(before, after):
 # -- 1. op gradients ------------------------------------------------------------------------------
 
 
-def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
+def _ag_grads(seed, shard_shape, gather_dim, ns, dtype, inplace=False):
+    """inplace: the outputs are changed in place before the loss (C.mul_(1.5).add_(1), as a bias
+    add or an in-place activation does): the fused outputs are not views (autograd refuses
+    in-place changes of a multi-output op's views), and dL/dC is scaled by 1.5."""
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     K = shard_shape[-1]
@@ -82,7 +85,8 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
         A = [s.to(device, dt).requires_grad_() for s in shards]
         B = [[b.to(device, dt).requires_grad_() for b in bq] for bq in Bs]
         A_full = torch.cat(A, dim=gather_dim)
-        sum(((A_full @ b).double() * gq.to(device, torch.float64)).sum()
+        c_s = 1.5 if inplace else 1.0
+        sum(((A_full @ b).double() * c_s * gq.to(device, torch.float64)).sum()
             for q in range(W) for b, gq in zip(B[q], G[q])).backward()  # fmt: skip
         return A[r].grad.cpu(), [b.grad.cpu() for b in B[r]]
 
@@ -93,6 +97,9 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
     c0 = _counts()
     _, outs = torch.ops.mptp.fused_all_gather_matmul(A, B, gather_dim, g, return_A=False)
     c1 = _counts()
+    if inplace:
+        for o in outs:
+            o.mul_(1.5).add_(1.0)
     sum((o.double() * gq.cuda().double()).sum() for o, gq in zip(outs, G[r])).backward()
     torch.cuda.synchronize()
     c2 = _counts()
@@ -103,16 +110,19 @@ def _ag_grads(seed, shard_shape, gather_dim, ns, dtype):
         assert_matmul_close(b.grad, dB64[j], dB_eager[j], k=3.0, atol=1e-3, what=f"dBs[{j}]")
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(
     "shard_shape,gather_dim,ns", [((256, 512), 0, (384,)), ((2, 96, 256), 1, (384, 128))]
 )
-def test_all_gather_matmul_grads(workers, shard_shape, gather_dim, ns):
+def test_all_gather_matmul_grads(workers, shard_shape, gather_dim, ns, inplace):
     workers.run(
-        _ag_grads, SEED, shard_shape, gather_dim, ns, torch.bfloat16, timeout_s=OP_TIMEOUT_S
-    )
+        _ag_grads, SEED, shard_shape, gather_dim, ns, torch.bfloat16, inplace,
+        timeout_s=OP_TIMEOUT_S,
+    )  # fmt: skip
 
 
-def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
+def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype, inplace=False):
+    """inplace: as _ag_grads, the output changed in place before the loss."""
     W, r = dist.get_world_size(), dist.get_rank()
     g = dist.group.WORLD.group_name
     K = shape[-1]
@@ -126,6 +136,7 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
         A = [a.to(device, dt).requires_grad_() for a in As]
         B = [b.to(device, dt).requires_grad_() for b in Bs]
         P = sum(a @ b for a, b in zip(A, B)) / (W if reduce_op == "avg" else 1)
+        P = P * (1.5 if inplace else 1.0)
         sum((c.double() * gq.to(device, torch.float64)).sum()
             for c, gq in zip(P.chunk(W, dim=scatter_dim), G)).backward()  # fmt: skip
         return A[r].grad.cpu(), B[r].grad.cpu()
@@ -137,6 +148,8 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
     c0 = _counts()
     out = torch.ops.mptp.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, g)
     c1 = _counts()
+    if inplace:
+        out.mul_(1.5).add_(1.0)
     (out.double() * G[r].cuda().double()).sum().backward()
     torch.cuda.synchronize()
     c2 = _counts()
@@ -149,10 +162,12 @@ def _rs_grads(seed, shape, scatter_dim, N, reduce_op, dtype):
 @pytest.mark.parametrize(
     "shape,scatter_dim,N,reduce_op", [((128, 512), 0, 384, "sum"), ((2, 64, 256), 1, 200, "avg")]
 )
-def test_matmul_reduce_scatter_grads(workers, shape, scatter_dim, N, reduce_op):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_matmul_reduce_scatter_grads(workers, shape, scatter_dim, N, reduce_op, inplace):
     workers.run(
-        _rs_grads, SEED, shape, scatter_dim, N, reduce_op, torch.bfloat16, timeout_s=OP_TIMEOUT_S
-    )
+        _rs_grads, SEED, shape, scatter_dim, N, reduce_op, torch.bfloat16, inplace,
+        timeout_s=OP_TIMEOUT_S,
+    )  # fmt: skip
 
 
 # -- 2. training ----------------------------------------------------------------------------------
