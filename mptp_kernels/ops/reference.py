@@ -28,14 +28,21 @@ def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
 def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, group_name: str):
     """Reduce-scatters `t` along `scatter_dim`; the result is contiguous, in t's dtype.
 
-    "avg" divides the sum by W (integers: truncating, so the dtype is kept). FP8: the
-    partials are summed (and averaged) in fp32 and rounded once, saturating, on every
-    transport (gloo cannot reduce FP8, and FP8 tensors cannot be divided). fp16 likewise
-    (unsaturated), on every transport: summed in fp16, as gloo and NCCL sum it, a running
-    sum could overflow to inf where the sum or the average fits; the fp32 sum, as the fused
-    path's, never does (so this op and the unfused collective differ there). On mptp's own
-    transport bf16, fp16 and fp32 are summed in fp32 in rank order and averaged before their
-    one rounding, as the fused path does.
+    On NCCL and gloo (functional collectives, or gloo staged through the host) this is the
+    unfused collective itself: the same dtype, the same reduce op ("avg" of floats is the
+    backend's "avg"), the same bytes. A rank whose graph the FX pass rewrote then still pairs
+    with a peer whose graph it did not (a rank-0-only print, say): any other dtype or op would
+    send other bytes (gloo aborts; NCCL's ring hangs or mixes sums), and it rounds as the unfused
+    graph does: fp16 and bf16 are summed in their own dtype there. Integer "avg" (which the
+    backends refuse) is the sum divided by W, truncating, so the dtype is kept; integers that
+    gloo cannot sum are widened to int64 and wrapped back.
+
+    FP8 partials are summed (and averaged) in fp32 and rounded once, saturating, on every
+    transport (gloo cannot reduce FP8, and the FX pass never fuses an FP8-output reduce-scatter).
+    On mptp's own transport (every rank is in the op: the call was agreed through the group's
+    rendezvous) bf16, fp16 and fp32 are summed in fp32 in rank order and averaged before their
+    one rounding, as the fused path does: there a running fp16 sum never overflows to inf where
+    the sum or the average fits, unlike the backends' fp16 sums.
     """
     if scatter_dim != 0:
         # Stack the W chunks along dim 0: rank r receives the reduced chunk r.
@@ -46,20 +53,21 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
         return out.clamp(-fmax, fmax).to(t.dtype)
     t = t.contiguous()
     tr = transport.current()
-    if isinstance(tr, transport.SymmTransport) and t.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return tr.reduce_scatter(t, W, group_name, scale=1.0 / W if reduce_op == "avg" else 1.0)
-    if t.dtype == torch.float16:
-        return reduce_scatter(t.float(), reduce_op, 0, W, group_name).to(t.dtype)
-    if tr is not None:
+    avg = reduce_op == "avg"
+    if isinstance(tr, transport.SymmTransport):
+        if t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return tr.reduce_scatter(t, W, group_name, scale=1.0 / W if avg else 1.0)
         out = tr.reduce_scatter(t, W, group_name)
+        if avg and (out.is_floating_point() or out.is_complex()):
+            return out / W
+        return torch.div(out, W, rounding_mode="trunc") if avg else out
+    native_avg = avg and (t.is_floating_point() or t.is_complex())
+    op = "avg" if native_avg else "sum"
+    if tr is not None:
+        out = tr.reduce_scatter(t, W, group_name, op)
     else:
-        out = transport.funcol_reduce_scatter(t, W, group_name)
-    if reduce_op == "avg":
-        if out.is_floating_point() or out.is_complex():
-            out = out / W
-        else:
-            out = torch.div(out, W, rounding_mode="trunc")
-    return out
+        out = transport.funcol_reduce_scatter(t, W, group_name, op)
+    return torch.div(out, W, rounding_mode="trunc") if avg and not native_avg else out
 
 
 def _gather_dim_major(A_shard: torch.Tensor, gather_dim: int, W: int, group_name: str):

@@ -47,6 +47,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 # dtypes every backend (gloo included) all-gathers and sums natively; others travel as bytes / are widened.
 _NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
            torch.complex64, torch.complex128)  # fmt: skip
+# dtypes gloo and NCCL both sum natively (int8: the unfused collective sends int8, so must we).
+_NATIVE_SUM = _NATIVE + (torch.int8,)
 
 
 def _bounded_group(t: torch.Tensor, group_name: str):
@@ -107,20 +109,23 @@ def funcol_all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     return _gather_bytes(t, W, group_name)
 
 
-def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    """Sum-reduce-scatter along dim 0, in t's dtype (integers gloo cannot sum are widened, then wrapped back)."""
-    if t.dtype not in _NATIVE and not t.is_floating_point() and t.dtype != torch.bool:
-        return funcol_reduce_scatter(t.to(torch.int64), W, group_name).to(t.dtype)
-    if t.dtype not in _NATIVE and t.is_floating_point():  # e.g. the fnuz FP8s: gloo cannot sum them
-        return funcol_reduce_scatter(t.float(), W, group_name).to(t.dtype)
+def funcol_reduce_scatter(t: torch.Tensor, W: int, group_name: str, reduce_op: str = "sum") -> torch.Tensor:
+    """reduce_op ("sum", or "avg" of floats) reduce-scatter along dim 0, in t's dtype: the collective
+    the unfused graph runs, byte for byte, wherever the backend sums the dtype (integers it cannot
+    sum are widened, then wrapped back; floats it cannot sum are summed in fp32)."""
+    if t.dtype not in _NATIVE_SUM and not t.is_floating_point() and t.dtype != torch.bool:
+        return funcol_reduce_scatter(t.to(torch.int64), W, group_name, reduce_op).to(t.dtype)
+    if t.dtype not in _NATIVE_SUM and t.is_floating_point():  # e.g. the fnuz FP8s: gloo cannot sum them
+        return funcol_reduce_scatter(t.float(), W, group_name, reduce_op).to(t.dtype)
     pg = _bounded_group(t, group_name)
     if pg is None:
-        return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", W, group_name))
+        return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, reduce_op, W, group_name))
     import torch.distributed as dist
 
     out = t.new_empty((t.shape[0] // W, *t.shape[1:]))
+    op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
     return _bounded("reduce_scatter_single", "reduce_scatter_tensor", out, t.contiguous(), pg, group_name,
-                    "mptp reduce-scatter", op=dist.ReduceOp.SUM)  # fmt: skip
+                    "mptp reduce-scatter", op=op)  # fmt: skip
 
 
 class HostTransport:
@@ -131,10 +136,10 @@ class HostTransport:
     def all_gather(self, t, W, group_name):
         return funcol_all_gather(t.cpu(), W, group_name).to(t.device)
 
-    def reduce_scatter(self, t, W, group_name):
+    def reduce_scatter(self, t, W, group_name, reduce_op="sum"):
         if t.dtype.itemsize == 1 and t.is_floating_point():  # FP8 sums in fp32 on the host, rounded once
-            return funcol_reduce_scatter(t.cpu().float(), W, group_name).to(t.device, t.dtype)
-        return funcol_reduce_scatter(t.cpu(), W, group_name).to(t.device)
+            return funcol_reduce_scatter(t.cpu().float(), W, group_name, reduce_op).to(t.device, t.dtype)
+        return funcol_reduce_scatter(t.cpu(), W, group_name, reduce_op).to(t.device)
 
 
 class SymmTransport:

@@ -36,7 +36,7 @@ def _ints(shape, seed):
     return torch.randint(-3, 4, shape, generator=g).float()  # exact sums in fp32
 
 
-def _divergent(kind):
+def _divergent(kind, dtype="float32", reduce_op="sum"):
     import torch.distributed._functional_collectives as funcol
 
     import mptp_kernels
@@ -48,8 +48,8 @@ def _divergent(kind):
 
     def row_parallel(x, w):
         partial = x @ w
-        out = funcol.reduce_scatter_tensor(partial, "sum", 0, g)
-        return (out, partial.norm()) if dist.get_rank() == 0 else (out, None)
+        out = funcol.reduce_scatter_tensor(partial, reduce_op, 0, g)
+        return (out, partial.float().norm()) if dist.get_rank() == 0 else (out, None)
 
     def col_parallel_last(x, w):
         # The hidden (last) dim, written as funcol's reference form (torch < 2.13's Dynamo cannot
@@ -57,7 +57,7 @@ def _divergent(kind):
         full = funcol.all_gather_tensor(x, 0, g)
         A = torch.cat(torch.chunk(full, W, 0), 1)
         y = A @ w
-        return (y, A.abs().mean()) if dist.get_rank() == 0 else (y, None)
+        return (y, A.float().abs().mean()) if dist.get_rank() == 0 else (y, None)
 
     def col_parallel_transposed(x, w):
         # Rank 0 writes the same product as a transposed one (not fused: A is not the left operand).
@@ -82,17 +82,24 @@ def _divergent(kind):
         out = h.sum() + z.sum()
         return (out, A.abs().mean()) if dist.get_rank() == 0 else (out, None)
 
-    if kind == "rs":
-        fn, args = row_parallel, (_ints((4 * W, 8), r), _ints((8, 6), 9))
+    dt = getattr(torch, dtype)
+    if kind == "rs" and reduce_op == "avg" and dt == torch.float16:
+        # Partials of 60000 (fp16 max 65504): the backends' fp16 "avg" overflows to inf, so must
+        # the fused rank's (which pairs with the plain collective, so runs it, in fp16).
+        fn, args = row_parallel, (torch.full((4 * W, 8), 75.0, dtype=dt), torch.full((8, 6), 100.0, dtype=dt))
+    elif kind == "rs":
+        fn, args = row_parallel, (_ints((4 * W, 8), r).to(dt), _ints((8, 6), 9).to(dt))
     elif kind == "ag_then_all_reduce":
         fn, args = gather_then_all_reduce, (_ints((16, 1024), r), _ints((1024 * W, 4096), 9), _ints((64, 256), 100 + r))
     elif kind == "ag_B_gathered_after":
         fn, args = b_gathered_after, (_ints((4, 1024), r), 10 * _ints((1024, 8), 50 + r))
     elif kind == "ag_last":
-        fn, args = col_parallel_last, (_ints((3, 1024), r), _ints((1024 * W, 6), 9))
+        fn, args = col_parallel_last, (_ints((3, 1024), r).to(dt), _ints((1024 * W, 6), 9).to(dt))
     else:  # a [13, 10] fp32 shard: 520 bytes, the size of an agreement message
         fn, args = col_parallel_transposed, (_ints((13, 10), r), _ints((10, 6), 9))
     eager = fn(*args)[0]
+    if kind == "rs" and reduce_op == "avg" and dt == torch.float16:
+        assert torch.isinf(eager).all(), eager
     torch._dynamo.reset()
     decisions = []
     fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
@@ -106,6 +113,21 @@ def _divergent(kind):
 def test_ranks_that_fuse_differently_compute_the_same_values(plain2, kind):
     fused = plain2.run(_divergent, kind, timeout_s=TIMEOUT_S)
     # The case is what it says: rank 0 left its collective alone, rank 1 fused it.
+    assert fused == [0, 1], fused
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,reduce_op",
+    [("rs", "float16", "sum"), ("rs", "float16", "avg"), ("rs", "bfloat16", "avg"), ("rs", "int8", "sum"),
+     ("rs", "float32", "avg"), ("ag_last", "int8", None), ("ag_last", "float16", None)],
+)  # fmt: skip
+def test_ranks_that_fuse_differently_send_the_same_bytes(plain2, kind, dtype, reduce_op):
+    """Found by a hostile review: the fused rank's reduce-scatter sent fp16 as fp32 and int8 as
+    int64 (gloo aborted: 48 vs 24 bytes; NCCL would hang or mix sums), and "avg" as a "sum" then a
+    division (NCCL: the ranks' ring steps apply different ops). The reference path now runs the
+    unfused collective itself: the same dtype and reduce op, so both ranks get the unfused values
+    bit for bit (fp16 "avg" of 60000s: inf on both, as the backends' fp16 sum gives)."""
+    fused = plain2.run(_divergent, kind, dtype, reduce_op or "sum", timeout_s=TIMEOUT_S)
     assert fused == [0, 1], fused
 
 
