@@ -22,6 +22,7 @@ Without DTensor, ColumnParallelLinear and RowParallelLinear take and return
 plain local tensors.
 """
 
+import math
 from dataclasses import dataclass
 from types import MethodType
 from typing import Optional, Tuple, Union
@@ -47,8 +48,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _norm(p: Placement, ndim: int) -> Placement:
-    return Shard(p.dim % ndim) if isinstance(p, Shard) else p
+def _norm(p: Placement, ndim: int, what: str = "layout") -> Placement:
+    """p with a non-negative dim; a dim out of range for an ndim-D tensor is a ValueError (as
+    DTensor raises), never wrapped round to another dim."""
+    if not isinstance(p, Shard):
+        return p
+    if not -ndim <= p.dim < ndim:
+        raise ValueError(f"{what}: Shard({p.dim}) is out of range for a {ndim}-D tensor")
+    return Shard(p.dim % ndim)
 
 
 def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement, style: str = "",
@@ -57,11 +64,18 @@ def _local_input(x, mesh: DeviceMesh, given: Placement, wanted: Placement, style
 
     even: the shards along `wanted` must have one size (the fused all-gather's input).
     """
+    if isinstance(x, DTensor) and x.device_mesh != mesh:
+        # NOTE: found by a hostile review: its local shard was taken and gathered over this
+        # module's group (wrong values on every rank); DTensor's own styles raise here.
+        raise ValueError(
+            f"{style}: the input is a DTensor on {x.device_mesh}, the module's mesh is {mesh}: "
+            "redistribute it onto the module's mesh (or pass its local tensor)"
+        )
     if not isinstance(x, DTensor):
-        if _norm(given, x.dim()) == _norm(wanted, x.dim()):
+        if _norm(given, x.dim(), f"{style}: input_layouts") == _norm(wanted, x.dim(), style):
             return x
         x = DTensor.from_local(x, mesh, (given,), run_check=False)
-    want = _norm(wanted, x.dim())
+    want = _norm(wanted, x.dim(), style)
     # NOTE: DTensor shards an uneven dim unevenly; the fused all-gather of unequal shards
     # would abort gloo (or hang NCCL) on some ranks: raise on every rank instead.
     if even and x.shape[want.dim] % mesh.size():
@@ -81,7 +95,7 @@ def _output(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, bias, cfg, las
     last: the global size of y's last dim where `layout` shards it (the layer's out_features),
     which may not divide by the mesh size: DTensor must not assume even shards.
     """
-    want = _norm(cfg.output_layout, y.dim())
+    want = _norm(cfg.output_layout, y.dim(), f"{cfg.style}: output_layouts")
     if bias is None and cfg.use_local_output and want == _norm(layout, y.dim()):
         return y  # the common case: no DTensor round trip
     if last is None or last % mesh.size() == 0:  # even shards: DTensor infers shape and strides
@@ -91,6 +105,13 @@ def _output(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, bias, cfg, las
         out = DTensor.from_local(y, mesh, (layout,), run_check=False, shape=torch.Size(shape),
                                  stride=_strides_like(y, shape))  # fmt: skip
     if bias is not None:
+        if isinstance(bias, DTensor):
+            # NOTE: found by a hostile review: DTensor leaves the gradient of a replicated bias
+            # broadcast over a sharded output Partial (or Shard), so bias.grad's local tensors
+            # were per-rank partial sums (clip_grad_value_, a momentum buffer's checkpoint
+            # failed). from_local's backward redistributes it to the bias's own placements, as
+            # RowwiseParallel's bias gradient is.
+            bias = DTensor.from_local(bias.to_local(), bias.device_mesh, bias.placements, run_check=False)
         out = out + bias
     if out.placements != (want,):
         out = out.redistribute(placements=(want,))
@@ -110,6 +131,7 @@ def _strides_like(t: torch.Tensor, shape) -> Tuple[int, ...]:
 
 @dataclass
 class _Config:
+    style: str  # the style's class name, for errors
     mesh: DeviceMesh
     group_name: str
     input_layout: Placement
@@ -130,9 +152,7 @@ def _autocast(t):
 
 def _colwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
-    x = _local_input(
-        x, cfg.mesh, cfg.input_layout, cfg.input_layout, "FusedColwiseParallel", even=True
-    )
+    x = _local_input(x, cfg.mesh, cfg.input_layout, cfg.input_layout, cfg.style, even=True)
     x, w = _autocast(x), _autocast(_local(self.weight))  # w: [out_features / W, in_features]
     _, (y,) = torch.ops.mptp.fused_all_gather_matmul(
         x, [w.t()], cfg.dim, cfg.group_name, return_A=False
@@ -144,7 +164,7 @@ def _colwise_forward(self: nn.Linear, x):
 
 def _rowwise_forward(self: nn.Linear, x):
     cfg: _Config = self._mptp_tp
-    x = _autocast(_local_input(x, cfg.mesh, cfg.input_layout, Shard(-1)))
+    x = _autocast(_local_input(x, cfg.mesh, cfg.input_layout, Shard(-1), cfg.style))
     w = _autocast(_local(self.weight))  # [out_features, in_features / W]
     y = torch.ops.mptp.fused_matmul_reduce_scatter(x, w.t(), "sum", cfg.dim, cfg.group_name)
     # A replicated bias joins after the reduce-scatter, as a DTensor, so that DTensor
@@ -162,7 +182,10 @@ def _plain_linear(module: nn.Module) -> bool:
             and "forward" not in vars(module))  # (nor one set on the instance by a library)
 
 
-def _check_mesh(style: str, mesh: DeviceMesh) -> str:
+def _check_mesh(style: str, mesh: DeviceMesh, module: nn.Module) -> str:
+    if getattr(module, "_distribute_module_applied", False) or hasattr(module, "_mptp_tp"):
+        # (distribute_module marks it so; a second style would shard the shards)
+        raise RuntimeError(f"{style}: the module is already parallelized: a plan applies one style to a module once")
     if mesh.ndim != 1:
         raise ValueError(
             f"{style}: expected a 1-D DeviceMesh (slice the TP dim), got {mesh.ndim}-D"
@@ -197,10 +220,12 @@ class FusedColwiseParallel(ColwiseParallel):
         in_layout = self.input_layouts[0]
         if not _plain_linear(module) or not isinstance(in_layout, Shard):
             return super()._apply(module, device_mesh)
-        group_name = _check_mesh(type(self).__name__, device_mesh)
+        style = type(self).__name__
+        group_name = _check_mesh(style, device_mesh, module)
         self._partition_linear_fn("", module, device_mesh)
-        module._mptp_tp = _Config(device_mesh, group_name, in_layout, self.output_layouts[0],
+        module._mptp_tp = _Config(style, device_mesh, group_name, in_layout, self.output_layouts[0],
                                   self.use_local_output, in_layout.dim)  # fmt: skip
+        module._distribute_module_applied = True
         module.forward = MethodType(_colwise_forward, module)
         return module
 
@@ -228,10 +253,12 @@ class FusedRowwiseParallel(RowwiseParallel):
         out_layout = self.output_layouts[0]
         if not _plain_linear(module) or not isinstance(out_layout, Shard):
             return super()._apply(module, device_mesh)
-        group_name = _check_mesh(type(self).__name__, device_mesh)
+        style = type(self).__name__
+        group_name = _check_mesh(style, device_mesh, module)
         self._partition_linear_fn("", module, device_mesh)
-        module._mptp_tp = _Config(device_mesh, group_name, self.input_layouts[0], out_layout,
+        module._mptp_tp = _Config(style, device_mesh, group_name, self.input_layouts[0], out_layout,
                                   self.use_local_output, out_layout.dim)  # fmt: skip
+        module._distribute_module_applied = True
         module.forward = MethodType(_rowwise_forward, module)
         return module
 
@@ -294,11 +321,23 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's init of this shard (its bounds depend on in_features only).
-        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-        if self.bias is not None:
-            bound = self.in_features**-0.5
-            nn.init.uniform_(self.bias, -bound, bound)
+        # This rank's rows of the full layer nn.Linear would initialize from the same RNG state:
+        # every rank draws the whole weight (so replicated layers built after it stay seeded
+        # alike) and keeps its shard. NOTE: found by a hostile review: each rank drew only its
+        # shard, so ranks seeded alike (as replicated layers need) held W copies of one block,
+        # and training never told them apart.
+        r, n = self.rank, self.weight.shape[0]
+        w = self.weight
+        with torch.no_grad():
+            full = torch.empty(self.out_features, self.in_features, device=w.device, dtype=w.dtype)
+            nn.init.kaiming_uniform_(full, a=5**0.5)  # nn.Linear's
+            w.copy_(full[r * n : (r + 1) * n])
+            del full
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0  # nn.Linear's
+                full_b = torch.empty(self.out_features, device=w.device, dtype=w.dtype)
+                nn.init.uniform_(full_b, -bound, bound)
+                self.bias.copy_(full_b[r * n : (r + 1) * n])
 
     @classmethod
     def from_linear(
@@ -368,9 +407,14 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's bound for the full layer (fan_in = in_features), on this shard.
-        bound = self.in_features**-0.5
-        nn.init.uniform_(self.weight, -bound, bound)
+        # This rank's columns of the full layer nn.Linear would initialize from the same RNG state
+        # (see ColumnParallelLinear.reset_parameters).
+        r, k = self.rank, self.weight.shape[1]
+        w = self.weight
+        with torch.no_grad():
+            full = torch.empty(self.out_features, self.in_features, device=w.device, dtype=w.dtype)
+            nn.init.kaiming_uniform_(full, a=5**0.5)  # nn.Linear's
+            w.copy_(full[:, r * k : (r + 1) * k])
 
     @classmethod
     def from_linear(

@@ -247,8 +247,18 @@ def _block_case(seed, ndim, bias, noncontig, local_output, compiled):
             y = y.to_local()
         (y * gy.chunk(W, sd)[r]).sum().backward()
         grads = {n.removeprefix("_orig_mod."): _full(p.grad) for n, p in m.named_parameters()}
-        res[kind] = (y, xl.grad, grads)
-    (y0, gx0, g0), (y1, gx1, g1) = res["dtensor"], res["fused"]
+        # The gradients' own layout (what clip_grad_value_, optimizer state and checkpoints see)
+        places = {n.removeprefix("_orig_mod."): (p.grad.placements, p.grad.to_local())
+                  for n, p in m.named_parameters() if isinstance(p.grad, DTensor)}  # fmt: skip
+        res[kind] = (y, xl.grad, grads, places)
+    (y0, gx0, g0, p0), (y1, gx1, g1, p1) = res["dtensor"], res["fused"]
+    # NOTE: found by a hostile review: the row-wise bias's gradient was Partial(sum) (Shard(0)
+    # for an output sharded on its last dim) where DTensor's is Replicate(): full_tensor() was
+    # right, each rank's local gradient a partial sum.
+    assert sorted(p1) == sorted(p0)
+    for n in p1:
+        assert p1[n][0] == p0[n][0], f"grad of {n}: placements {p1[n][0]}, DTensor's {p0[n][0]}"
+        _close(p1[n][1], p0[n][1], f"local grad of {n} vs DTensor")
     _close(y1, y0, "output vs DTensor")
     _close(y1, yf.detach().chunk(W, sd)[r], "output vs float64")
     for ctx in ("no_grad", "inference_mode"):
@@ -351,7 +361,7 @@ def _raises(exc, match, fn):
 
 def _user_errors():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from mptp_kernels.tp import FusedColwiseParallel, FusedRowwiseParallel
@@ -417,6 +427,28 @@ def _user_errors():
         nn.Linear(16, 32, dtype=F64), mesh2["tp"], FusedColwiseParallel(input_layouts=Shard(1))
     )
     assert sliced(_rnd((2, 4, 16), 8)).shape == (2, 4 * W, 32 // W)
+    # A DTensor input on another mesh than the module's (found by a hostile review: its local
+    # shard was gathered over the module's group, wrong values on every rank; DTensor raises).
+    sliced_row = parallelize_module(
+        nn.Linear(32, 16, dtype=F64), mesh2["tp"], FusedRowwiseParallel(output_layouts=Shard(1))
+    )
+    for m, x in ((sliced, _rnd((2, 4, 16), 9)), (sliced_row, _rnd((2, 4, 32 // W), 10))):
+        other = DTensor.from_local(x, mesh2["dp"], (Shard(1),), run_check=False)
+        _raises(ValueError, "the input is a DTensor on .*the module's mesh is", lambda m=m, o=other: m(o))
+    # Layout dims out of range for the tensor: a ValueError, never wrapped round to another dim
+    # (found by a hostile review: Shard(3) of a 3-D output became Shard(0)).
+    for out_l in (Shard(3), Shard(-4)):
+        bad = par(nn.Linear(16, 32, dtype=F64), FusedColwiseParallel(input_layouts=Shard(1), output_layouts=out_l))
+        _raises(ValueError, rf"output_layouts: Shard\({out_l.dim}\) is out of range for a 3-D",
+                lambda bad=bad: bad(_rnd((2, 4, 16), 11)))  # fmt: skip
+    bad = par(nn.Linear(32, 16, dtype=F64), FusedRowwiseParallel(input_layouts=Shard(5), output_layouts=Shard(1)))
+    _raises(ValueError, r"input_layouts: Shard\(5\) is out of range for a 3-D",
+            lambda: bad(_rnd((2, 4, 32 // W), 12)))  # fmt: skip
+    # A module parallelized twice: DTensor's styles refuse at once; the fused ones failed at the
+    # first forward with an AttributeError.
+    for style in (FusedColwiseParallel(input_layouts=Shard(1)), FusedRowwiseParallel(output_layouts=Shard(1))):
+        once = par(nn.Linear(32, 32, dtype=F64), style)
+        _raises(RuntimeError, "already (parallelized|been called)", lambda once=once, style=style: par(once, style))
 
     # Nothing is left in flight: the group still agrees on a collective.
     t = torch.ones(1, dtype=F64) * (r + 1)
@@ -426,6 +458,40 @@ def _user_errors():
 
 def test_user_errors_raise_on_every_rank(workers2):
     workers2.run(_user_errors)
+
+
+def _plain_init():
+    """Built directly, with the same seed on every rank (as replicated layers need), the plain
+    modules hold this rank's slice of the nn.Linear that seed gives, and leave the RNG where that
+    nn.Linear leaves it. Found by a hostile review: each rank drew only its own shard, so every
+    rank held the same block, and training never told them apart."""
+    from mptp_kernels import ColumnParallelLinear, RowParallelLinear
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    for bias in (True, False):
+        torch.manual_seed(5)
+        ref, after = nn.Linear(8, 4 * W, bias=bias, dtype=F64), torch.rand(3)
+        torch.manual_seed(5)
+        col = ColumnParallelLinear(8, 4 * W, bias=bias, dtype=F64)
+        assert torch.equal(torch.rand(3), after)
+        assert torch.equal(col.weight, ref.weight[4 * r : 4 * (r + 1)])
+        if bias:
+            assert torch.equal(col.bias, ref.bias[4 * r : 4 * (r + 1)])
+    torch.manual_seed(6)
+    ref, after = nn.Linear(4 * W, 8, bias=False, dtype=F64), torch.rand(3)
+    torch.manual_seed(6)
+    row = RowParallelLinear(4 * W, 8, dtype=F64)
+    assert torch.equal(torch.rand(3), after)
+    assert torch.equal(row.weight, ref.weight[:, 4 * r : 4 * (r + 1)])
+    shards = [torch.empty_like(row.weight) for _ in range(W)]
+    dist.all_gather(shards, row.weight.detach().contiguous())
+    assert not torch.equal(shards[0], shards[1])
+    meta = ColumnParallelLinear(8, 4 * W, bias=True, device="meta")  # no memory, no error
+    assert meta.weight.is_meta and meta.weight.shape == (4, 8)
+
+
+def test_plain_modules_built_alike_on_every_rank_hold_distinct_shards(workers2):
+    workers2.run(_plain_init)
 
 
 def _uneven_plain_shards():
