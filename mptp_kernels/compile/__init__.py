@@ -1,8 +1,9 @@
 """torch.compile integration: enable_micro_pipeline_tp() installs the mptp FX pass.
 
     mptp_kernels.enable_micro_pipeline_tp()          # for the rest of the process
-    with mptp_kernels.enable_micro_pipeline_tp():     # or for a block
-        compiled = torch.compile(model)
+    with mptp_kernels.enable_micro_pipeline_tp():     # or for a block: torch.compile compiles
+        loss = torch.compile(model)(x).sum()          # at the first call, so make it inside
+    loss.backward()                                   # (the backward was compiled with it)
     mptp_kernels.disable_micro_pipeline_tp()
     mptp_kernels.explain(model, x)                    # per collective: fused or not, and why
 
@@ -12,6 +13,11 @@ functions or CustomInferenceAwareGraphPass). PyTorch's own async-TP pass
 (config._micro_pipeline_tp) is switched off while ours is on, so the two never
 rewrite the same graph; symm_mem.fused_* nodes that still reach us are
 retargeted to mptp.
+
+While the pass is installed, AOTAutograd compiles a graph's backward together with its forward
+(torch._functorch.config.force_non_lazy_backward_lowering), not lazily at the first backward:
+a backward run after a with-block had exited was compiled without the pass, and the AOTAutograd
+cache stored it under the forward's key, which says the pass ran (found by a hostile review).
 
 FX graph cache: the uuid covers every pass that runs (the chained ones' uuids,
 the source of this package's pass and of the ops' fake impls it evaluates, and
@@ -26,6 +32,7 @@ import os
 from typing import Optional
 
 import torch
+import torch._functorch.config
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -138,7 +145,7 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
         return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained))
 
 
-_state = {"depth": 0, "torch_flag": None}
+_state = {"depth": 0, "torch_flag": None, "eager_bw": None}
 
 
 class _Enabled:
@@ -160,9 +167,13 @@ def enable_micro_pipeline_tp() -> _Enabled:
     disable (or its with-block has exited).
     """
     cfg = torch._inductor.config
+    fcfg = torch._functorch.config
     if _state["depth"] == 0:
         _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)
+        _state["eager_bw"] = getattr(fcfg, "force_non_lazy_backward_lowering", None)
     _state["depth"] += 1
+    if _state["eager_bw"] is not None:
+        fcfg.force_non_lazy_backward_lowering = True
     # NOTE: where the pass already runs (an outer enable, or one the user installed), the slot is
     # left as it is: re-wrapping would move passes the user put after ours in front of it.
     if not _has_mptp(cfg.post_grad_custom_post_pass):
@@ -178,16 +189,21 @@ def disable_micro_pipeline_tp() -> None:
     """Removes the mptp pass from whatever is installed now, keeping every other pass.
 
     A pass the user installed after enable_micro_pipeline_tp() (alone, or in a list
-    with ours) survives. Restores PyTorch's _micro_pipeline_tp flag.
+    with ours) survives. Restores PyTorch's _micro_pipeline_tp flag and AOTAutograd's
+    force_non_lazy_backward_lowering, each unless the user set it while the pass was on.
     """
     cfg = torch._inductor.config
     _state["depth"] = max(_state["depth"] - 1, 0)
     if _state["depth"] > 0:
         return
     cfg.post_grad_custom_post_pass = _without_mptp(cfg.post_grad_custom_post_pass)
-    if hasattr(cfg, "_micro_pipeline_tp") and _state["torch_flag"] is not None:
+    # Each flag goes back to what it was, unless the user set it meanwhile (their value stays).
+    if _state["torch_flag"] is not None and getattr(cfg, "_micro_pipeline_tp", None) is False:
         cfg._micro_pipeline_tp = _state["torch_flag"]
-    _state["torch_flag"] = None
+    fcfg = torch._functorch.config
+    if _state["eager_bw"] is not None and getattr(fcfg, "force_non_lazy_backward_lowering", None) is True:
+        fcfg.force_non_lazy_backward_lowering = _state["eager_bw"]
+    _state["torch_flag"] = _state["eager_bw"] = None
 
 
 def explain(fn, *example_args, verbose: bool = True, **example_kwargs) -> list:

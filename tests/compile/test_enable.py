@@ -11,6 +11,7 @@ from mptp_kernels import compile as mc
 from mptp_kernels.compile import MicroPipelineTPPass
 
 cfg = torch._inductor.config
+fcfg = torch._functorch.config
 c10d = torch.ops._c10d_functional
 InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
@@ -19,12 +20,14 @@ InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", Non
 def clean_slot():
     assert mc._state["depth"] == 0, "a previous test left the pass enabled"
     old = cfg.post_grad_custom_post_pass, getattr(cfg, "_micro_pipeline_tp", None)
+    old_bw = fcfg.force_non_lazy_backward_lowering
     cfg.post_grad_custom_post_pass = None
     yield
     cfg.post_grad_custom_post_pass = old[0]
     if old[1] is not None:
         cfg._micro_pipeline_tp = old[1]
-    mc._state.update(depth=0, torch_flag=None)
+    fcfg.force_non_lazy_backward_lowering = old_bw
+    mc._state.update(depth=0, torch_flag=None, eager_bw=None)
 
 
 class Tagged(CustomGraphPass):
@@ -299,3 +302,47 @@ def test_explain_reports_coalesced_collectives(pg1):
     assert [(d.kind, d.fused) for d in decisions] == [("all-gather (coalesced)", False),
                                                       ("reduce-scatter (coalesced)", False)], decisions  # fmt: skip
     assert all("coalesced" in d.detail for d in decisions)
+
+
+def test_a_backward_run_after_the_block_is_compiled_with_the_pass(pg1):
+    """Found by a hostile review: `with enable(): loss = compiled(x)` then `loss.backward()` after
+    the block: AOTAutograd compiled the backward lazily, at the first backward, without the pass
+    (unfused), and its cache stored it under the forward's key. While the pass is on, the
+    backward is compiled with the forward."""
+    from mptp_kernels.compile.micro_pipeline import recording
+
+    mptp_kernels.enable_symm_mem_for_group(pg1)
+
+    def f(x, w):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, 1, pg1)) @ w
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 3, requires_grad=True)
+    torch._dynamo.reset()
+    decisions = []
+    with recording(decisions), cfg.patch(force_disable_caches=True):
+        with mptp_kernels.enable_micro_pipeline_tp():
+            loss = torch.compile(f, fullgraph=True)(x, w).sum()
+        assert fcfg.force_non_lazy_backward_lowering is False  # restored
+        loss.backward()
+    torch._dynamo.reset()
+    # the forward's all-gather, and the backward's reduce-scatter of dA
+    assert [(d.kind, d.fused) for d in decisions] == [("all-gather", True), ("reduce-scatter", True)], decisions
+    torch.testing.assert_close(x.grad, torch.ones(4, 3) @ w.detach().t())
+
+
+def test_disable_restores_flags_unless_the_user_set_them_meanwhile():
+    """Found by a hostile review: disable put back the _micro_pipeline_tp value saved at enable,
+    over the one the user set while the pass was on."""
+    assert fcfg.force_non_lazy_backward_lowering is False
+    with mptp_kernels.enable_micro_pipeline_tp():
+        assert fcfg.force_non_lazy_backward_lowering is True
+        if hasattr(cfg, "_micro_pipeline_tp"):
+            assert cfg._micro_pipeline_tp is False
+    assert fcfg.force_non_lazy_backward_lowering is False
+    if hasattr(cfg, "_micro_pipeline_tp"):
+        cfg._micro_pipeline_tp = False
+        with mptp_kernels.enable_micro_pipeline_tp():
+            cfg._micro_pipeline_tp = True  # the user's, while ours is on
+            fcfg.force_non_lazy_backward_lowering = False
+        assert cfg._micro_pipeline_tp is True and fcfg.force_non_lazy_backward_lowering is False
+        cfg._micro_pipeline_tp = False
