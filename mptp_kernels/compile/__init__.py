@@ -14,9 +14,9 @@ functions or CustomInferenceAwareGraphPass). PyTorch's own async-TP pass
 rewrite the same graph; symm_mem.fused_* nodes that still reach us are
 retargeted to mptp.
 
-While the pass is installed, AOTAutograd compiles a graph's backward together with its forward
+Inside a with-block, AOTAutograd compiles a graph's backward together with its forward
 (torch._functorch.config.force_non_lazy_backward_lowering), not lazily at the first backward:
-a backward run after a with-block had exited was compiled without the pass, and the AOTAutograd
+a backward run after the block had exited was compiled without the pass, and the AOTAutograd
 cache stored it under the forward's key, which says the pass ran (found by a hostile review).
 
 FX graph cache: the uuid covers every pass that runs (the chained ones' uuids,
@@ -145,16 +145,32 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
         return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained))
 
 
-_state = {"depth": 0, "torch_flag": None, "eager_bw": None}
+_state = {"depth": 0, "torch_flag": None}
 
 
 class _Enabled:
-    """Returned by enable_micro_pipeline_tp(); usable as a context manager."""
+    """Returned by enable_micro_pipeline_tp(); usable as a context manager.
+
+    Inside the block AOTAutograd compiles a graph's backward with its forward
+    (torch._functorch.config.force_non_lazy_backward_lowering): lazily, a backward first run
+    after the block compiled without the pass, and the AOTAutograd cache stored it under the
+    forward's key, which says the pass ran (found by a hostile review). Enabled without a block,
+    the pass stays on for the backward, compiled lazily as usual."""
+
+    _prev = None
 
     def __enter__(self):
+        fcfg = torch._functorch.config
+        if hasattr(fcfg, "force_non_lazy_backward_lowering"):
+            self._prev = fcfg.force_non_lazy_backward_lowering
+            fcfg.force_non_lazy_backward_lowering = True
         return self
 
     def __exit__(self, *exc):
+        fcfg = torch._functorch.config
+        # back to what it was, unless the user set it inside the block (their value stays)
+        if self._prev is not None and getattr(fcfg, "force_non_lazy_backward_lowering", None) is True:
+            fcfg.force_non_lazy_backward_lowering = self._prev
         disable_micro_pipeline_tp()
         return False
 
@@ -164,16 +180,13 @@ def enable_micro_pipeline_tp() -> _Enabled:
     (unless it already runs there).
 
     Calls nest: the pass stays installed until every enable has been matched by a
-    disable (or its with-block has exited).
+    disable (or its with-block has exited). Inside a with-block, backwards compile with their
+    forwards (see _Enabled).
     """
     cfg = torch._inductor.config
-    fcfg = torch._functorch.config
     if _state["depth"] == 0:
         _state["torch_flag"] = getattr(cfg, "_micro_pipeline_tp", None)
-        _state["eager_bw"] = getattr(fcfg, "force_non_lazy_backward_lowering", None)
     _state["depth"] += 1
-    if _state["eager_bw"] is not None:
-        fcfg.force_non_lazy_backward_lowering = True
     # NOTE: where the pass already runs (an outer enable, or one the user installed), the slot is
     # left as it is: re-wrapping would move passes the user put after ours in front of it.
     if not _has_mptp(cfg.post_grad_custom_post_pass):
@@ -189,21 +202,18 @@ def disable_micro_pipeline_tp() -> None:
     """Removes the mptp pass from whatever is installed now, keeping every other pass.
 
     A pass the user installed after enable_micro_pipeline_tp() (alone, or in a list
-    with ours) survives. Restores PyTorch's _micro_pipeline_tp flag and AOTAutograd's
-    force_non_lazy_backward_lowering, each unless the user set it while the pass was on.
+    with ours) survives. Restores PyTorch's _micro_pipeline_tp flag, unless the user set it
+    while the pass was on.
     """
     cfg = torch._inductor.config
     _state["depth"] = max(_state["depth"] - 1, 0)
     if _state["depth"] > 0:
         return
     cfg.post_grad_custom_post_pass = _without_mptp(cfg.post_grad_custom_post_pass)
-    # Each flag goes back to what it was, unless the user set it meanwhile (their value stays).
+    # Back to what it was, unless the user set it meanwhile (their value stays).
     if _state["torch_flag"] is not None and getattr(cfg, "_micro_pipeline_tp", None) is False:
         cfg._micro_pipeline_tp = _state["torch_flag"]
-    fcfg = torch._functorch.config
-    if _state["eager_bw"] is not None and getattr(fcfg, "force_non_lazy_backward_lowering", None) is True:
-        fcfg.force_non_lazy_backward_lowering = _state["eager_bw"]
-    _state["torch_flag"] = _state["eager_bw"] = None
+    _state["torch_flag"] = None
 
 
 def explain(fn, *example_args, verbose: bool = True, **example_kwargs) -> list:

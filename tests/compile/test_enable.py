@@ -27,7 +27,7 @@ def clean_slot():
     if old[1] is not None:
         cfg._micro_pipeline_tp = old[1]
     fcfg.force_non_lazy_backward_lowering = old_bw
-    mc._state.update(depth=0, torch_flag=None, eager_bw=None)
+    mc._state.update(depth=0, torch_flag=None)
 
 
 class Tagged(CustomGraphPass):
@@ -332,13 +332,25 @@ def test_a_backward_run_after_the_block_is_compiled_with_the_pass(pg1):
 
 def test_disable_restores_flags_unless_the_user_set_them_meanwhile():
     """Found by a hostile review: disable put back the _micro_pipeline_tp value saved at enable,
-    over the one the user set while the pass was on."""
+    over the one the user set while the pass was on. The eager backward lowering is the
+    with-block's only, nests, and survives an exception in the block."""
     assert fcfg.force_non_lazy_backward_lowering is False
+    mptp_kernels.enable_micro_pipeline_tp()  # without a block: the backward stays lazy
+    assert fcfg.force_non_lazy_backward_lowering is False
+    mptp_kernels.disable_micro_pipeline_tp()
     with mptp_kernels.enable_micro_pipeline_tp():
         assert fcfg.force_non_lazy_backward_lowering is True
+        with mptp_kernels.enable_micro_pipeline_tp():
+            assert fcfg.force_non_lazy_backward_lowering is True
+        assert fcfg.force_non_lazy_backward_lowering is True and mc._state["depth"] == 1
         if hasattr(cfg, "_micro_pipeline_tp"):
             assert cfg._micro_pipeline_tp is False
-    assert fcfg.force_non_lazy_backward_lowering is False
+    assert fcfg.force_non_lazy_backward_lowering is False and mc._state["depth"] == 0
+    with pytest.raises(KeyError):
+        with mptp_kernels.enable_micro_pipeline_tp():
+            raise KeyError("in the block")
+    assert fcfg.force_non_lazy_backward_lowering is False and mc._state["depth"] == 0
+    assert not mc._has_mptp(cfg.post_grad_custom_post_pass)
     if hasattr(cfg, "_micro_pipeline_tp"):
         cfg._micro_pipeline_tp = False
         with mptp_kernels.enable_micro_pipeline_tp():
