@@ -325,7 +325,8 @@ class ColumnParallelLinear(nn.Module):
         # every rank draws the whole weight (so replicated layers built after it stay seeded
         # alike) and keeps its shard. NOTE: found by a hostile review: each rank drew only its
         # shard, so ranks seeded alike (as replicated layers need) held W copies of one block,
-        # and training never told them apart.
+        # and training never told them apart. The draw briefly holds the full weight on the
+        # module's device (on "meta" it costs nothing: build large layers there and load).
         r, n = self.rank, self.weight.shape[0]
         w = self.weight
         with torch.no_grad():

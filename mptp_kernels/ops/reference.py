@@ -34,8 +34,10 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
     with a peer whose graph it did not (a rank-0-only print, say): any other dtype or op would
     send other bytes (gloo aborts; NCCL's ring hangs or mixes sums), and it rounds as the unfused
     graph does: fp16 and bf16 are summed in their own dtype there. Integer "avg" (which the
-    backends refuse) is the sum divided by W, truncating, so the dtype is kept; integers that
-    gloo cannot sum are widened to int64 and wrapped back.
+    backends refuse) is the sum divided by W, truncating, so the dtype is kept. Integers that
+    gloo and NCCL cannot sum (int16, uint16, ...) are widened to int64 and wrapped back: the op
+    serves them where the unfused collective raises (so a peer whose graph the pass left alone
+    raises at once, and this rank's wait ends in a timeout error, never a wrong value).
 
     FP8 partials are summed (and averaged) in fp32 and rounded once, saturating, on every
     transport (gloo cannot reduce FP8, and the FX pass never fuses an FP8-output reduce-scatter).
