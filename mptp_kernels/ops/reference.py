@@ -55,21 +55,21 @@ def reduce_scatter(t: torch.Tensor, reduce_op: str, scatter_dim: int, W: int, gr
         return out.clamp(-fmax, fmax).to(t.dtype)
     t = t.contiguous()
     tr = transport.current()
-    avg = reduce_op == "avg"
+    avg, floats = reduce_op == "avg", t.is_floating_point() or t.is_complex()
     if isinstance(tr, transport.SymmTransport):
         if t.dtype in (torch.float16, torch.bfloat16, torch.float32):
             return tr.reduce_scatter(t, W, group_name, scale=1.0 / W if avg else 1.0)
+        op = "sum"  # fp64, complex and integers: summed in their dtype, in rank order
         out = tr.reduce_scatter(t, W, group_name)
-        if avg and (out.is_floating_point() or out.is_complex()):
-            return out / W
-        return torch.div(out, W, rounding_mode="trunc") if avg else out
-    native_avg = avg and (t.is_floating_point() or t.is_complex())
-    op = "avg" if native_avg else "sum"
-    if tr is not None:
-        out = tr.reduce_scatter(t, W, group_name, op)
     else:
-        out = transport.funcol_reduce_scatter(t, W, group_name, op)
-    return torch.div(out, W, rounding_mode="trunc") if avg and not native_avg else out
+        op = "avg" if avg and floats else "sum"
+        if tr is not None:
+            out = tr.reduce_scatter(t, W, group_name, op)
+        else:
+            out = transport.funcol_reduce_scatter(t, W, group_name, op)
+    if avg and op == "sum":
+        out = out / W if floats else torch.div(out, W, rounding_mode="trunc")
+    return out
 
 
 def _gather_dim_major(A_shard: torch.Tensor, gather_dim: int, W: int, group_name: str):
