@@ -46,19 +46,56 @@ from typing import Optional
 
 logger = logging.getLogger("mptp_kernels")
 
+# NOTE (issue 14): the ops read about fifteen of these per call. os.environ.get encodes the name
+# and decodes the value each time; the mapping's own bytes dict (CPython, POSIX) answers the same
+# question without either, and os.environ's setters (monkeypatch.setenv too) keep it current.
+_DATA = getattr(os.environ, "_data", None)
+if not isinstance(_DATA, dict) or os.name != "posix":
+    _DATA = None
+_BNAMES: dict = {}
+
+
+def raw(name: str) -> Optional[str]:
+    """os.environ.get(name), faster."""
+    if _DATA is None:
+        return os.environ.get(name)
+    b = _BNAMES.get(name)
+    if b is None:
+        b = _BNAMES[name] = os.fsencode(name)
+    v = _DATA.get(b)
+    return None if v is None else os.fsdecode(v)
+
+
+def raw_many(names: tuple) -> tuple:
+    """The raw values of `names` (bytes or None each: a cheap key of their state)."""
+    if _DATA is None:
+        return tuple(os.environ.get(n) for n in names)
+    get, bn = _DATA.get, _BNAMES
+    return tuple(get(bn.get(n) or bn.setdefault(n, os.fsencode(n))) for n in names)
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+    return (raw(name) or "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+_PARSED: dict = {}  # (name, raw value, default) -> parsed value of a valid setting
 
 
 def _number(name: str, default: str, kind, ok) -> float:
-    raw = os.environ.get(name, "").strip() or default  # set but empty: unset
+    r = raw(name)
+    hit = _PARSED.get((name, r, default))
+    if hit is not None:
+        return hit
+    val = (r or "").strip() or default  # set but empty: unset
     try:
-        v = kind(raw)
+        v = kind(val)
     except ValueError:
         v = None
     if v is None or not ok(v):
-        raise ValueError(f"{name}: expected {kind.__name__} {ok.__doc__}, got {raw!r}")
+        raise ValueError(f"{name}: expected {kind.__name__} {ok.__doc__}, got {val!r}")
+    if len(_PARSED) > 256:
+        _PARSED.clear()
+    _PARSED[(name, r, default)] = v
     return v
 
 
@@ -84,14 +121,15 @@ def _sms_range(v):
 
 def _switch(name: str, default: str, auto: Optional[bool] = None) -> bool:
     """An on/off variable: 1/true/yes/on or 0/false/no/off; with `auto`, also "auto" (and empty)."""
-    raw = os.environ.get(name, default).strip().lower()
-    if auto is not None and raw in ("", "auto"):
+    r = raw(name)
+    val = (default if r is None else r).strip().lower()
+    if auto is not None and val in ("", "auto"):
         return auto
-    if raw in ("1", "true", "yes", "on"):
+    if val in ("1", "true", "yes", "on"):
         return True
-    if raw in ("0", "false", "no", "off"):
+    if val in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}: expected {'auto, ' if auto is not None else ''}1 or 0, got {raw!r}")
+    raise ValueError(f"{name}: expected {'auto, ' if auto is not None else ''}1 or 0, got {val!r}")
 
 
 def ce_copies_enabled() -> bool:
@@ -111,10 +149,10 @@ def launch_memo_enabled() -> bool:
 
 def rs_reduce() -> str:
     """MPTP_RS_REDUCE: "pass" or "kernel" (see the module docstring)."""
-    raw = os.environ.get("MPTP_RS_REDUCE", "").strip().lower() or "pass"
-    if raw not in ("pass", "kernel"):
-        raise ValueError(f"MPTP_RS_REDUCE: expected pass or kernel, got {raw!r}")
-    return raw
+    val = (raw("MPTP_RS_REDUCE") or "").strip().lower() or "pass"
+    if val not in ("pass", "kernel"):
+        raise ValueError(f"MPTP_RS_REDUCE: expected pass or kernel, got {val!r}")
+    return val
 
 
 def reserve_sms() -> int:
@@ -161,7 +199,7 @@ def group_timeout_s(pg, device: str = "cpu") -> Optional[float]:
 def host_timeout_s(pg=None, device: str = "cpu") -> float:
     """Bound on a host-side wait for peers that may legitimately be late: MPTP_TIMEOUT_S where
     set, else the group's own timeout, else timeout_s()'s default."""
-    if os.environ.get("MPTP_TIMEOUT_S", "").strip() or pg is None:
+    if (raw("MPTP_TIMEOUT_S") or "").strip() or pg is None:
         return timeout_s()
     t = group_timeout_s(pg, device)
     return t if t is not None else timeout_s()
@@ -178,7 +216,7 @@ def host_timeout_s_or_default(pg=None, device: str = "cpu") -> float:
 
 def timeout_source() -> str:
     """Where a host-side bound came from, for error messages."""
-    if os.environ.get("MPTP_TIMEOUT_S", "").strip():
+    if (raw("MPTP_TIMEOUT_S") or "").strip():
         return "MPTP_TIMEOUT_S"
     return "the process group's timeout; MPTP_TIMEOUT_S overrides"
 

@@ -79,12 +79,19 @@ def _no_options(ws) -> int:
     return 0
 
 
-def _runner(fn, work: cost.Work, options=_no_options):
-    """fn(ws, options): the call on the group's workspace, with the fused-path options every rank
-    can take (agreement.OPT_*); options(ws): those this rank's call can take."""
-    fn.work = work
-    fn.options = options
-    return fn, None
+def _runner(bind, args, work: cost.Work):
+    """The plan of one call: bind(args) -> (fn, options) with fn(ws, opts) the call on the group's
+    workspace, with the fused-path options every rank can take (agreement.OPT_*), and options(ws)
+    those this rank's call can take. NOTE: bind holds only what the call's signature decides
+    (never a tensor): the dispatcher's memo (dispatch._Memo) reuses it for every later call of
+    the same signature, with that call's arguments."""
+
+    def rebind(new_args):
+        fn, options = bind(new_args)
+        fn.work, fn.options, fn.bind = work, options, rebind
+        return fn
+
+    return rebind(args), None
 
 
 def _begin(ws: P.SymmetricMemory, tag: int) -> None:
@@ -274,11 +281,13 @@ def _finish(ws, tensors, flags) -> None:
         P.finish(ts[i : i + step], ws.err, flags if i + step >= len(ts) else None)
 
 
-def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref=None):
+def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled=None, ref_fn=None, args=None):
+    """scaled: None, or fn(args) -> the scaled launch arguments of _ag_run; ref_fn: the layout's
+    reference (on (A, Bs, gd, group_name)); args: the op's arguments (what bind takes)."""
     why = _common_reason(A)
     if why:
         return None, why
-    W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=scaled_args is not None)
+    W, gd = validate.all_gather_matmul(A, Bs, gather_dim, group_name, scaled=scaled is not None)
     if gd == A.dim() - 1:
         return None, "gathering the last (K) dim is not fused"
     if W > 32:
@@ -288,10 +297,17 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled_args=None, ref
     K = A.shape[-1]
     work = cost.Work("ag", A.numel() // K * W, K, sum(B.shape[1] for B in Bs), A.element_size(), A.element_size(),
                      A.element_size() == 1)  # fmt: skip
-    if ref is None:
-        ref = (functools.partial(reference.all_gather_matmul, return_A=return_A), (A, list(Bs), gd, group_name))
-    return _runner(lambda ws, opts=0: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled_args, *ref),
-                   work)  # fmt: skip
+    if ref_fn is None:
+        ref_fn = functools.partial(reference.all_gather_matmul, return_A=return_A)
+    layout = []  # the reference's layout, once known (a function of the signature)
+
+    def bind(a):
+        A, Bs, group_name = a[0], a[1], a[5 if scaled is not None else 3]
+        sc = scaled(a) if scaled is not None else None
+        return (lambda ws, opts=0: _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, sc, ref_fn,
+                                                   (A, list(Bs), gd, group_name), layout)), _no_options  # fmt: skip
+
+    return _runner(bind, args, work)
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
@@ -417,11 +433,12 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
     return out.view(*out_shape[:-1], Nc)
 
 
-def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_shape=None):
+def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled=None, out_shape=None, args=None):
+    """scaled: None, or fn(args) -> the scaled arguments of _rs_run; args: the op's arguments."""
     why = _common_reason(A)
     if why:
         return None, why
-    W, sd = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, scaled_args is not None)
+    W, sd = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, scaled is not None)
     if out_shape is None:
         out_shape = [*A.shape[:-1], B.shape[1]]
     if W > MAX_SCATTER_W and sd != len(out_shape) - 1:
@@ -429,11 +446,17 @@ def _plan_rs(A, B, reduce_op, scatter_dim, group_name, scaled_args=None, out_sha
     if B.dtype != A.dtype:
         return None, "B's dtype differs from A's"
     K = A.shape[-1]
-    out_dtype = scaled_args[3] if scaled_args else A.dtype
+    out_dtype = scaled(args)[3] if scaled is not None else A.dtype
     work = cost.Work("rs", A.numel() // K, K, B.shape[1], A.element_size(), out_dtype.itemsize,
                      A.element_size() == 1)  # fmt: skip
-    return _runner(lambda ws, opts=0: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, scaled_args, opts),
-                   work, lambda ws: _rs_options(ws, A, B, sd, out_shape))  # fmt: skip
+
+    def bind(a):
+        A, B = a[0], a[1]
+        sc = scaled(a) if scaled is not None else None
+        return (lambda ws, opts=0: _rs_run(ws, A, B, reduce_op, sd, group_name, W, out_shape, sc, opts),
+                lambda ws: _rs_options(ws, A, B, sd, out_shape))  # fmt: skip
+
+    return _runner(bind, args, work)
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -478,12 +501,18 @@ def _key(*args):  # noqa: D103
                  else tuple(_key(x) for x in a) if isinstance(a, list) else a for a in args)  # fmt: skip
 
 
-def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args):
+def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args, layout=None):
+    """layout: [] or [the layout], the plan's (a function of the call's signature)."""
     A_ret, outs = _ag_run(ws, A, Bs, gd, group_name, return_A, W, scaled)
-    name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
-    # NOTE: W is part of the key: a group name may be reused for a group of another size.
-    key = (name, repr(getattr(ref_fn, "keywords", None)), W, _key(*ref_args))
-    (la,), lo = _reference_layout(ref_fn, key, ref_args)
+    if layout:
+        (la,), lo = layout[0]
+    else:
+        name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
+        # NOTE: W is part of the key: a group name may be reused for a group of another size.
+        key = (name, repr(getattr(ref_fn, "keywords", None)), W, _key(*ref_args))
+        (la,), lo = lay = _reference_layout(ref_fn, key, ref_args)
+        if layout is not None:
+            layout.append(lay)
     return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, lay) for o, lay in zip(outs, lo)]
 
 
@@ -493,12 +522,13 @@ def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_
 def plan(name, W, *args, **kwargs):
     """Returns (runner, None) when the fused path can serve this rank's call, else (None, reason).
 
-    runner(ws) runs the call on the group's workspace (None when W == 1). The
-    inputs were validated by the dispatcher; the decision is combined over ranks there.
+    runner(ws, opts) runs the call on the group's workspace (None when W == 1); runner.bind(args)
+    is the runner of another call with the same signature (args: the op's arguments, as here).
+    The inputs were validated by the dispatcher; the decision is combined over ranks there.
     """
     if name == "fused_all_gather_matmul":
         A, Bs, gather_dim, group_name = args
-        return _plan_ag(A, Bs, gather_dim, group_name, kwargs.get("return_A", True))
+        return _plan_ag(A, Bs, gather_dim, group_name, kwargs.get("return_A", True), args=args)
     if name == "fused_all_gather_scaled_matmul":
         A, Bs, A_scale, B_scales, gather_dim, group_name, biases, result_scales, out_dtypes, fast = args
         if A.is_cuda and A.dtype not in (torch.float8_e4m3fn,):
@@ -518,12 +548,12 @@ def plan(name, W, *args, **kwargs):
             return None, "tensor-wise A_scale needs tensor-wise B_scales (as _scaled_mm)"
         # Layouts do not depend on dtypes or scales: take them from the unscaled
         # reference (the meta _scaled_mm would reject N not divisible by 16).
-        ref = (_scaled_layout_proxy, (A, list(Bs), gd, group_name))
-        fn, why = _plan_ag(A, Bs, gd, group_name, True, (A_scale, mode, list(B_scales), list(biases), dts, list(fast), list(result_scales)), ref)
-        return fn, why
+        return _plan_ag(A, Bs, gd, group_name, True,
+                        lambda a: (a[2], mode, list(a[3]), list(a[6]), dts, list(a[9]), list(a[7])),
+                        _scaled_layout_proxy, args)  # fmt: skip
     if name == "fused_matmul_reduce_scatter":
         A, B, reduce_op, scatter_dim, group_name = args
-        return _plan_rs(A, B, reduce_op, scatter_dim, group_name)
+        return _plan_rs(A, B, reduce_op, scatter_dim, group_name, args=args)
     if name == "fused_scaled_matmul_reduce_scatter":
         (A, B, A_scale, B_scale, reduce_op, orig_sd, sd_after, group_name, output_shape,
          bias, result_scale, out_dtype, fast) = args  # fmt: skip
@@ -540,5 +570,5 @@ def plan(name, W, *args, **kwargs):
             return None, "A and B scales must both be tensor-wise or both row-wise"
         validate.scaled_rs_extras(A, A_scale, B_scale, bias, result_scale)
         return _plan_rs(A, B, reduce_op, orig_sd, group_name,
-                        (A_scale, B_scale, bias, out_dtype, fast), output_shape)  # fmt: skip
+                        lambda a: (a[2], a[3], a[9], out_dtype, a[12]), output_shape, args)  # fmt: skip
     return None, f"unknown op {name}"
