@@ -259,6 +259,25 @@ def test_fused_scaled_matmul_reduce_scatter_strided_scales_and_biases(fused_work
     fused_workers.run(_rs_scaled, SEED, (96, 256), 136, "row", True, torch.float32, True)
 
 
+def _same_signature_new_values(seed):
+    """Calls of one signature with new values each time: the later ones take the dispatcher's memo
+    (the plan rebound to their arguments, ops/dispatch.py) and still compute their own values."""
+    from mptp_kernels.ops import dispatch
+
+    hits = dispatch.MEMO_STATS["hit"]
+    for i in range(3):
+        s = seed + 7919 * (i + 1)
+        _ag(s, (2, 40, 128), 1, (96, 80), True, torch.bfloat16)
+        _ag_scaled(s, (64, 128), 0, "row_sharded", (256, 136), True, torch.float32)
+        _rs(s, (128, 256), 0, 136, "avg", torch.float16)
+        _rs_scaled(s, (96, 256), 136, "row", True, torch.float32)
+    assert dispatch.MEMO_STATS["hit"] - hits >= 8, "the later calls did not take the memo"
+
+
+def test_calls_of_one_signature_with_new_values(fused_workers):
+    fused_workers.run(_same_signature_new_values, SEED)
+
+
 def _other_current_device(seed):
     """The op runs on A's device while the caller's current device is another GPU."""
     W, r = dist.get_world_size(), dist.get_rank()
