@@ -342,7 +342,6 @@ _MEMO_MAX = 256
 MEMO_STATS: Counter = Counter()  # "hit" / "miss" / "none" (not memoized) per call; tests read it
 _MEMO_ENV = ("MPTP_TIMEOUT_S", "MPTP_RESERVE_SMS", "MPTP_CE_COPIES", "MPTP_C_BINDER", "MPTP_LAUNCH_MEMO",
              "MPTP_RS_REDUCE", "MPTP_DISABLE_FUSED", "MPTP_FORCE_FUSED")  # fmt: skip
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SCALAR = (int, bool, str, type(None), torch.dtype)
 
 
@@ -352,12 +351,12 @@ class _NoMemo(Exception):
 
 def _sig(x):
     cls = x.__class__
-    if cls in _PLAIN:
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
         return (cls, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-    if cls is list or cls is tuple:
-        return (cls, *[_sig(y) for y in x])
     if cls in _SCALAR or (cls is float and x == x):  # (a NaN would never match itself)
         return (cls, x)
+    if cls is list or cls is tuple:
+        return (cls, *map(_sig, x))
     raise _NoMemo  # a tensor subclass, another type: validated on every call
 
 
@@ -365,8 +364,10 @@ def _memo_key(name: str, args, kwargs, W: int):
     from .autograd import grad_mode_at_call
 
     try:
-        return (name, W, _sig(args), _sig(tuple(kwargs.items())) if kwargs else None, grad_mode_at_call(),
-                env.raw_many(_MEMO_ENV))  # fmt: skip
+        key = [name, W, grad_mode_at_call(), env.raw_many(_MEMO_ENV), *map(_sig, args)]
+        for k, v in kwargs.items():
+            key += (k, _sig(v))
+        return tuple(key)
     except _NoMemo:
         return None
 
