@@ -49,29 +49,40 @@ logger = logging.getLogger("mptp_kernels")
 # NOTE (issue 14): the ops read about fifteen of these per call. os.environ.get encodes the name
 # and decodes the value each time; the mapping's own bytes dict (CPython, POSIX) answers the same
 # question without either, and os.environ's setters (monkeypatch.setenv too) keep it current.
-_DATA = getattr(os.environ, "_data", None)
-if not isinstance(_DATA, dict) or os.name != "posix":
-    _DATA = None
+# os.environ is looked up on every read: a test may rebind it (mock.patch("os.environ", {...});
+# found by a hostile review: a value read from the old mapping was stale).
+_POSIX = os.name == "posix"
 _BNAMES: dict = {}
+
+
+def _bytes_dict():
+    d = getattr(os.environ, "_data", None) if _POSIX else None
+    return d if d.__class__ is dict else None
+
+
+def _bname(name: str) -> bytes:
+    b = _BNAMES.get(name)
+    if b is None:
+        b = _BNAMES[name] = os.fsencode(name)
+    return b
 
 
 def raw(name: str) -> Optional[str]:
     """os.environ.get(name), faster."""
-    if _DATA is None:
+    d = _bytes_dict()
+    if d is None:
         return os.environ.get(name)
-    b = _BNAMES.get(name)
-    if b is None:
-        b = _BNAMES[name] = os.fsencode(name)
-    v = _DATA.get(b)
+    v = d.get(_bname(name))
     return None if v is None else os.fsdecode(v)
 
 
 def raw_many(names: tuple) -> tuple:
-    """The raw values of `names` (bytes or None each: a cheap key of their state)."""
-    if _DATA is None:
+    """The raw values of `names` (a cheap key of their state)."""
+    d = _bytes_dict()
+    if d is None:
         return tuple(os.environ.get(n) for n in names)
-    get, bn = _DATA.get, _BNAMES
-    return tuple(get(bn.get(n) or bn.setdefault(n, os.fsencode(n))) for n in names)
+    get = d.get
+    return tuple(get(_bname(n)) for n in names)
 
 
 def _flag(name: str) -> bool:

@@ -368,7 +368,7 @@ def _memo_key(name: str, args, kwargs, W: int):
         for k, v in kwargs.items():
             key += (k, _sig(v))
         return tuple(key)
-    except _NoMemo:
+    except (_NoMemo, RecursionError):  # (a list that holds itself: validation names it)
         return None
 
 

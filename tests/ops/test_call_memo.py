@@ -126,3 +126,25 @@ def test_scaled_reduce_scatter_hits_with_new_scales(pg1):
         want = (A.double() @ B.double()) * sa.double() * sb.double()
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     assert _delta(before)["hit"] == 1
+
+
+def test_a_rebound_os_environ_is_read(pg1, monkeypatch):
+    """mock.patch("os.environ", {...}) replaces the mapping: reads and the memo key follow it."""
+    import os
+
+    from mptp_kernels import env
+
+    A, B = torch.randn(4, 8), torch.randn(8, 6)
+    _ag(A, [B], pg1)
+    monkeypatch.setattr(os, "environ", {**os.environ, "MPTP_TIMEOUT_S": "5"})
+    assert env.timeout_s() == 5.0
+    monkeypatch.setattr(os, "environ", {**os.environ, "MPTP_RESERVE_SMS": "0"})
+    with pytest.raises(ValueError, match="MPTP_RESERVE_SMS"):
+        _ag(A, [B], pg1)
+
+
+def test_a_list_that_holds_itself_is_named(pg1):
+    Bs = []
+    Bs.append(Bs)
+    with pytest.raises(ValueError, match=r"Bs\[0\]"):
+        dispatch.all_gather_matmul(torch.randn(4, 8), Bs, 0, pg1)
