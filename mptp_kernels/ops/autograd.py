@@ -13,6 +13,9 @@ Matmul-reduce-scatter, C = reduce_scatter(A @ B, scatter_dim):
     dB   = A^T @ dC_full          (the gathered dC of that call)
     reduce_op "avg" divides dC by the world size first.
 The scaled (FP8) ops are forward-only: backpropagating through one raises.
+Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported by any of the ops: a
+dual input raises NotImplementedError. (Without that check the tangent of the output was silently
+zero or None, as for any torch.library custom op without a jvp: found by a hostile review.)
 
 NOTE: the all-gather-matmul forward needs A_full for dB even when the caller asked
 for return_A=False. Its autograd kernel is the one torch.library.register_autograd
@@ -50,6 +53,21 @@ def _recording_grad_mode():
         _CALL.grad = prev
 
 _SCALED = ("fused_all_gather_scaled_matmul", "fused_scaled_matmul_reduce_scatter")
+
+
+def _refuse_forward_ad(name: str, args) -> None:
+    """NotImplementedError where an input carries a forward-mode tangent (jvp, forward_ad)."""
+    fwad = torch.autograd.forward_ad
+    if getattr(fwad, "_current_level", 0) < 0:  # no dual level: no tangent anywhere (one global read)
+        return
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(
+                    f"mptp::{name} does not support forward-mode AD (torch.func.jvp, "
+                    "torch.autograd.forward_ad): its output would carry no tangent. Use reverse mode "
+                    "(backward, torch.func.vjp / grad), or the unfused collective + matmul."
+                )
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -160,6 +178,7 @@ def _register_all_gather_matmul(lib) -> None:
     )
 
     def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_forward_ad(name, args)
         with _recording_grad_mode():
             if kwargs.get("return_A", True) or not (
                 torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
@@ -215,6 +234,7 @@ def _register_matmul_reduce_scatter(lib) -> None:
     inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(_rs_backward, _rs_setup_context))
 
     def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_forward_ad(name, args)
         with _recording_grad_mode():
             return inner(keyset, *args, **kwargs)
 
@@ -237,4 +257,19 @@ def register(lib) -> None:
     _register_all_gather_matmul(lib)
     _register_matmul_reduce_scatter(lib)
     for name in _SCALED:
+        _register_forward_only(lib, name)
+
+
+def _register_forward_only(lib, name: str) -> None:
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+    except ImportError:
         torch.library.register_autograd(f"mptp::{name}", _forward_only(name), lib=lib)
+        return
+    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(_forward_only(name), None))
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_forward_ad(name, args)
+        return inner(keyset, *args, **kwargs)
+
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)

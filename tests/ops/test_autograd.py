@@ -156,3 +156,38 @@ def test_scaled_ops_are_forward_only(pg1):
         torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
             A8, B8, one, one, "sum", 0, 0, pg1, [4, 8], bias, None, torch.bfloat16, False
         )
+
+
+def _fwad_cases(g):
+    """(name, f(x) -> output, x): each op with a float input the tangent can ride on."""
+    B = torch.randn(8, 6, dtype=torch.float64)
+    A8 = torch.randn(4, 16).to(FP8)
+    B8 = torch.randn(8, 16).to(FP8).t()
+    one = torch.ones(())
+    return [
+        ("fused_all_gather_matmul", lambda a: torch.ops.mptp.fused_all_gather_matmul(a, [B], 0, g)[1][0],
+         torch.randn(4, 8, dtype=torch.float64)),
+        ("fused_matmul_reduce_scatter", lambda a: torch.ops.mptp.fused_matmul_reduce_scatter(a, B, "sum", 0, g),
+         torch.randn(4, 8, dtype=torch.float64)),
+        ("fused_all_gather_scaled_matmul", lambda s: torch.ops.mptp.fused_all_gather_scaled_matmul(
+            A8, [B8], s, [one], 0, g, [None], [None], [torch.float32], [False])[1][0], torch.ones(())),
+        ("fused_scaled_matmul_reduce_scatter", lambda s: torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+            A8, B8, s, one, "sum", 0, 0, g, [4, 8], None, None, torch.float32, False), torch.ones(())),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_forward_mode_ad_raises_instead_of_a_zero_tangent(pg1, which):
+    """Found by a hostile review: torch.func.jvp gave a zero tangent, forward_ad a None one."""
+    import torch.autograd.forward_ad as fwAD
+
+    name, f, x = _fwad_cases(pg1)[which]
+    with pytest.raises(NotImplementedError, match=f"mptp::{name} does not support forward-mode AD"):
+        torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            f(dual)
+        out = f(x)  # a dual level without a dual input: an ordinary call
+    assert not out.isnan().any()
+
