@@ -473,6 +473,8 @@ def _reference_layout(ref_fn, key, args):
             fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
             out = ref_fn(*[[fake(t) for t in a] if isinstance(a, list) else fake(a) for a in args])
         flat = out if isinstance(out, tuple) else (out,)
+        if len(_LAYOUTS) >= 256:  # (a bound: shapes that change every call would grow it for good)
+            _LAYOUTS.clear()
         _LAYOUTS[key] = [[(t.shape, t.stride()) if t is not None else None
                           for t in (x if isinstance(x, list) else [x])] for x in flat]  # fmt: skip
     return _LAYOUTS[key]
