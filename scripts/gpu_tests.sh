@@ -12,7 +12,8 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 # NOTE: the device's copy of the tree may carry a stale .git (seen: 9134f4e's rows labelled 47c8526)
 [ -n "${MPTP_BENCH_COMMIT:-}" ] || echo "warning: MPTP_BENCH_COMMIT unset: bench CSV rows take this copy's git HEAD, which may be stale" | tee -a "$OUT/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
+# SKIP_BUILD=1: the caller built it (scripts/gpu_host.sh)
+[ "${SKIP_BUILD:-0}" = 1 ] || python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/build.log"
 python3 -c "import torch, triton, mptp_kernels as m; print('torch', torch.__version__, 'triton', triton.__version__, 'built:', m.build_info.CUDA_EXTENSION_BUILT)" | tee -a "$OUT/build.log"
 export MPTP_FALLBACK_LOG="$OUT/fallback_paths.txt"
 i=0
