@@ -108,12 +108,11 @@ def _compiled_tp_block(seed, batch):
         model = _tp(copy.deepcopy(full).to("cuda", torch.bfloat16), "cuda")
         torch._dynamo.reset()
         decisions = []
-        # NOTE: no compile caches: a graph compiled by an earlier run on this machine (same key)
-        # would be loaded without running the pass, so nothing would be recorded (seen on the H100
-        # when the test ran twice on one machine).
-        no_caches = (torch._inductor.config.patch(fx_graph_cache=False),
-                     torch._functorch.config.patch(enable_autograd_cache=False))  # fmt: skip
-        with no_caches[0], no_caches[1], mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
+        # NOTE: no compile caches (as test_compile_e2e.py): a graph compiled by an earlier run on
+        # this machine would be loaded without running the pass, so nothing would be recorded
+        # (the likely cause of this test's failure on the H100 when it ran twice on one machine).
+        no_caches = torch._inductor.config.patch(force_disable_caches=True)
+        with no_caches, mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
             compiled = torch.compile(model, fullgraph=True)
             c0 = _counts()
             out = _local(compiled(x_local.to("cuda", torch.bfloat16)))
