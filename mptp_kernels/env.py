@@ -53,6 +53,7 @@ logger = logging.getLogger("mptp_kernels")
 # found by a hostile review: a value read from the old mapping was stale).
 _POSIX = os.name == "posix"
 _BNAMES: dict = {}
+_BTUPLES: dict = {}
 
 
 def _bytes_dict():
@@ -81,8 +82,10 @@ def raw_many(names: tuple) -> tuple:
     d = _bytes_dict()
     if d is None:
         return tuple(os.environ.get(n) for n in names)
-    get = d.get
-    return tuple(get(_bname(n)) for n in names)
+    bnames = _BTUPLES.get(names)
+    if bnames is None:
+        bnames = _BTUPLES[names] = tuple(map(_bname, names))
+    return tuple(map(d.get, bnames))
 
 
 def _flag(name: str) -> bool:
