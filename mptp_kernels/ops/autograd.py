@@ -164,30 +164,35 @@ def _ag_backward_impl(ctx, saved, dA_full, dCs):
     return dA, dBs, None, None
 
 
-def _register_all_gather_matmul(lib) -> None:
-    name = "fused_all_gather_matmul"
+def _register(lib, name: str, backward, setup_context=None, body=None) -> None:
+    """Autograd for mptp::name as torch.library.register_autograd builds it (make_autograd_impl),
+    behind the forward-mode check and with the caller's grad mode recorded; body(inner, keyset,
+    *args, **kwargs), where given, calls the built kernel instead of a plain call. Where that
+    builder is missing, plain register_autograd (no check)."""
     try:
         from torch._library.autograd import Info, make_autograd_impl
     except ImportError:
-        torch.library.register_autograd(
-            f"mptp::{name}", _ag_backward, setup_context=_ag_setup_context, lib=lib
-        )
+        torch.library.register_autograd(f"mptp::{name}", backward, setup_context=setup_context, lib=lib)
         return
-    inner = make_autograd_impl(
-        getattr(torch.ops.mptp, name).default, Info(_ag_backward, _ag_setup_context)
-    )
+    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(backward, setup_context))
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_forward_ad(name, args)
         with _recording_grad_mode():
-            if kwargs.get("return_A", True) or not (
-                torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
-            ):
+            if body is None:
                 return inner(keyset, *args, **kwargs)
-            _, outs = inner(keyset, *args, **{**kwargs, "return_A": True})
-            return None, outs
+            return body(inner, keyset, *args, **kwargs)
 
     lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _ag_kernel(inner, keyset, *args, **kwargs):
+    """Runs the op below autograd with return_A=True whenever a gradient is needed (dB needs
+    A_full), then drops A_full from what the caller asked not to see."""
+    if kwargs.get("return_A", True) or not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        return inner(keyset, *args, **kwargs)
+    _, outs = inner(keyset, *args, **{**kwargs, "return_A": True})
+    return None, outs
 
 
 # -- matmul-reduce-scatter ------------------------------------------------------------------------
@@ -224,23 +229,6 @@ def _rs_backward_impl(ctx, saved, dC):
 # -- scaled (FP8) ops: forward-only ---------------------------------------------------------------
 
 
-def _register_matmul_reduce_scatter(lib) -> None:
-    name = "fused_matmul_reduce_scatter"
-    try:
-        from torch._library.autograd import Info, make_autograd_impl
-    except ImportError:
-        torch.library.register_autograd(f"mptp::{name}", _rs_backward, setup_context=_rs_setup_context, lib=lib)
-        return
-    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(_rs_backward, _rs_setup_context))
-
-    def autograd_kernel(keyset, *args, **kwargs):
-        _refuse_forward_ad(name, args)
-        with _recording_grad_mode():
-            return inner(keyset, *args, **kwargs)
-
-    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
-
-
 def _forward_only(name: str):
     def backward(ctx, *grads):
         raise RuntimeError(
@@ -254,22 +242,7 @@ def _forward_only(name: str):
 
 def register(lib) -> None:
     """Registers autograd for every torch.ops.mptp op (called once, by _library)."""
-    _register_all_gather_matmul(lib)
-    _register_matmul_reduce_scatter(lib)
+    _register(lib, "fused_all_gather_matmul", _ag_backward, _ag_setup_context, _ag_kernel)
+    _register(lib, "fused_matmul_reduce_scatter", _rs_backward, _rs_setup_context)
     for name in _SCALED:
-        _register_forward_only(lib, name)
-
-
-def _register_forward_only(lib, name: str) -> None:
-    try:
-        from torch._library.autograd import Info, make_autograd_impl
-    except ImportError:
-        torch.library.register_autograd(f"mptp::{name}", _forward_only(name), lib=lib)
-        return
-    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(_forward_only(name), None))
-
-    def autograd_kernel(keyset, *args, **kwargs):
-        _refuse_forward_ad(name, args)
-        return inner(keyset, *args, **kwargs)
-
-    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+        _register(lib, name, _forward_only(name))

@@ -83,7 +83,7 @@ def _runner(bind, args, work: cost.Work):
     """The plan of one call: bind(args) -> (fn, options) with fn(ws, opts) the call on the group's
     workspace, with the fused-path options every rank can take (agreement.OPT_*), and options(ws)
     those this rank's call can take. NOTE: bind holds only what the call's signature decides
-    (never a tensor): the dispatcher's memo (dispatch._Memo) reuses it for every later call of
+    (never a tensor): the dispatcher's memo (dispatch._MEMO) reuses it for every later call of
     the same signature, with that call's arguments."""
 
     def rebind(new_args):
@@ -503,18 +503,15 @@ def _key(*args):  # noqa: D103
                  else tuple(_key(x) for x in a) if isinstance(a, list) else a for a in args)  # fmt: skip
 
 
-def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args, layout=None):
+def _ag_with_layout(ws, A, Bs, gd, group_name, return_A, W, scaled, ref_fn, ref_args, layout):
     """layout: [] or [the layout], the plan's (a function of the call's signature)."""
     A_ret, outs = _ag_run(ws, A, Bs, gd, group_name, return_A, W, scaled)
-    if layout:
-        (la,), lo = layout[0]
-    else:
+    if not layout:
         name = getattr(getattr(ref_fn, "func", ref_fn), "__name__", "")
         # NOTE: W is part of the key: a group name may be reused for a group of another size.
         key = (name, repr(getattr(ref_fn, "keywords", None)), W, _key(*ref_args))
-        (la,), lo = lay = _reference_layout(ref_fn, key, ref_args)
-        if layout is not None:
-            layout.append(lay)
+        layout.append(_reference_layout(ref_fn, key, ref_args))
+    (la,), lo = layout[0]
     return _restride(A_ret, la) if A_ret is not None else None, [_restride(o, lay) for o, lay in zip(outs, lo)]
 
 
