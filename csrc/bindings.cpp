@@ -9,7 +9,7 @@
 
 #define MPTP_API extern "C" __attribute__((visibility("default")))
 
-MPTP_API int mptp_abi_version() { return 4; }
+MPTP_API int mptp_abi_version() { return 5; }
 MPTP_API const char* mptp_last_error() { return mptp::last_error(); }
 MPTP_API int mptp_ipc_handle_bytes() { return static_cast<int>(mptp::kIpcHandleBytes); }
 
@@ -62,6 +62,20 @@ MPTP_API int mptp_ce_copies(void* stream) { return mptp::ce_copies(stream); }
 MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
   return mptp::stream_wait_value(stream, addr, value);
 }
+MPTP_API int mptp_ag_begin(const mptp::AgBeginArgs* a) { return mptp::ag_begin(a); }
+MPTP_API int mptp_ag_begin_args_bytes() { return static_cast<int>(sizeof(mptp::AgBeginArgs)); }
+MPTP_API int mptp_ag_end(void* main, void* side, void* join, void* const* ptrs,
+                         const size_t* bytes, int n, uint32_t* flags, int nflags,
+                         const void* err) {
+  return mptp::ag_end(main, side, join, ptrs, bytes, n, flags, nflags, err);
+}
+MPTP_API int mptp_finish_signal(void* stream, void* const* ptrs, const size_t* bytes, int n,
+                                uint32_t* flags, int nflags, const void* err,
+                                uint32_t* const* sig_slots, int nsig) {
+  return mptp::finish_signal(stream, ptrs, bytes, n, flags, nflags, err, sig_slots, nsig);
+}
+MPTP_API int mptp_event_create(void** event) { return mptp::event_create(event); }
+MPTP_API int mptp_event_destroy(void* event) { return mptp::event_destroy(event); }
 MPTP_API int mptp_device_count(int* n) {
   cudaError_t err = cudaGetDeviceCount(n);
   if (err != cudaSuccess) {

@@ -15,7 +15,8 @@ BASE=${BASE:-.base}
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep "Model name" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; tail -2 "$OUT/build.log"
-[ -d "$BASE" ] && cp mptp_kernels/_C*.so "$BASE/mptp_kernels/"
+# A base of another C ABI carries its own build (BASE_OWN_SO=1); else this tree's is copied in.
+[ -d "$BASE" ] && [ "${BASE_OWN_SO:-0}" != 1 ] && cp mptp_kernels/_C*.so "$BASE/mptp_kernels/"
 floor() {  # floor TREE LABEL W
   local d="$OUT/$2"; mkdir -p "$d"
   PYTHONPATH="$1" MPTP_BENCH_COMMIT="$3" MPTP_TIMEOUT_S=10 MPTP_RESULTS_DIR="$d" timeout 150 \

@@ -5,6 +5,7 @@ MPTP_EXPECT_CUDA_BUILD=1 (CI with nvcc) fails the run if the extension was not b
 MPTP_EXPECT_CUDA_BUILD=0 (CI's pure-Python pass) fails it if it was.
 """
 
+import ctypes
 import os
 import subprocess
 
@@ -39,6 +40,9 @@ def test_extension_loads_without_libcuda():
     assert lib is not None, _C.why_unavailable()
     assert lib.mptp_abi_version() == _C.ABI_VERSION
     assert lib.mptp_ipc_handle_bytes() == 64
+    # The one struct the two sides share (csrc/symm/symm.h AgBeginArgs): a layout that differs
+    # would pass every address to the wrong field.
+    assert lib.mptp_ag_begin_args_bytes() == ctypes.sizeof(_C.AgBeginArgs) == 912
     needed = subprocess.run(["readelf", "-d", lib._name], capture_output=True, text=True).stdout
     assert "libcuda.so" not in needed, needed
     if not torch.cuda.is_available():

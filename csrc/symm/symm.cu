@@ -102,9 +102,12 @@ __global__ void wait_kernel(const uint32_t* slots, uint32_t* expected, int n, ui
 
 // signal_kernel then wait_kernel in one launch (a barrier on one channel): thread i signals
 // peer i, then waits for peer i's signal. One warp; n <= 32.
+// own_flag (may be null): set to 1 first (an all-gather's chunk flag, read by a later kernel).
 __global__ void signal_wait_kernel(uint32_t* const* sig_slots, int nsig, const uint32_t* slots,
                                    uint32_t* expected, int n, uint32_t mask, uint64_t timeout_ns,
-                                   int channel, int tag, ErrorRecord* err, int32_t* latch) {
+                                   int channel, int tag, ErrorRecord* err, int32_t* latch,
+                                   uint32_t* own_flag) {
+  if (own_flag != nullptr && threadIdx.x == 0) *own_flag = 1;
   signal_one(sig_slots, nsig, latch);
   wait_one(slots, expected, n, mask, timeout_ns, channel, tag, err, latch);
 }
@@ -117,6 +120,8 @@ struct FinishArgs {
   int nflags;
   const ErrorRecord* err;
   int32_t* latch;
+  uint32_t* const* sig;  // signalled last (finish_signal); may be null
+  int nsig;
 };
 
 // One block: thread 0 reads the host-mapped record once (reads of it from many warps queue over
@@ -144,6 +149,8 @@ __global__ void finish_kernel(FinishArgs a) {
     }
   }
   if (threadIdx.x < a.nflags) a.flags[threadIdx.x] = 0;
+  // After the latch (set above where the record is): fail-stop, as signal_kernel.
+  if (a.sig != nullptr && threadIdx.x < 32) signal_one(a.sig, a.nsig, a.latch);
 }
 
 struct CopyArgs {
@@ -215,7 +222,13 @@ int copy_guarded(void* stream, void* const* dsts, const void* const* srcs, const
 
 int finish(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
            int nflags, const void* err) {
+  return finish_signal(stream, ptrs, bytes, n, flags, nflags, err, nullptr, 0);
+}
+
+int finish_signal(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
+                  int nflags, const void* err, uint32_t* const* sig_slots, int nsig) {
   MPTP_CHECK(n >= 0 && n <= kMaxFinish, "finish: n must be in [0, 8]");
+  MPTP_CHECK(sig_slots == nullptr || (nsig > 0 && nsig <= 32), "finish: nsig must be in [1, 32]");
   MPTP_CHECK(nflags >= 0 && nflags <= 32 && (nflags == 0 || flags != nullptr),
              "finish: nflags must be in [0, 32], with flags");
   ErrorRecord *host, *dev;
@@ -229,6 +242,8 @@ int finish(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t
   a.flags = flags;
   a.nflags = nflags;
   a.err = err != nullptr ? static_cast<const ErrorRecord*>(err) : dev;
+  a.sig = sig_slots;
+  a.nsig = nsig;
   MPTP_TRY(fail_latch(&a.latch));
   finish_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
   MPTP_CUDA_CHECK(cudaGetLastError());
@@ -336,7 +351,7 @@ int signal_wait(void* stream, uint32_t* const* sig_slots, const uint32_t* slots,
   int32_t* latch;
   MPTP_TRY(fail_latch(&latch));
   signal_wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      sig_slots, n, slots, expected, n, mask, timeout_ns, channel, tag, dev, latch);
+      sig_slots, n, slots, expected, n, mask, timeout_ns, channel, tag, dev, latch, nullptr);
   MPTP_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
@@ -411,6 +426,83 @@ int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const 
       MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
     }
   }
+  return 0;
+}
+
+int ag_begin(const AgBeginArgs* a) {
+  const Driver* drv = driver();
+  if (drv == nullptr) return -1;
+  const int W = a->world_size;
+  MPTP_CHECK(W > 1 && W <= kMaxPeers, "ag_begin: world_size must be in [2, 32]");
+  MPTP_CHECK(a->ncopy >= 1 && a->ncopy <= 4, "ag_begin: ncopy must be in [1, 4]");
+  MPTP_CHECK(a->npull >= 0 && a->npull < W, "ag_begin: npull must be in [0, world_size)");
+  MPTP_CHECK(a->nscale == 0 || a->nscale == 1, "ag_begin: nscale must be 0 or 1");
+  for (int i = 0; i < a->npull; ++i)
+    MPTP_CHECK(a->peers[i] >= 0 && a->peers[i] < W, "ag_begin: a peer out of range");
+  ErrorRecord *host, *dev;
+  MPTP_TRY(error_record(&host, &dev));
+  int32_t* latch;
+  MPTP_TRY(fail_latch(&latch));
+  auto m = static_cast<cudaStream_t>(a->main);
+  auto s = static_cast<cudaStream_t>(a->side);
+  // main: every peer finished reading this rank's buffer in the previous op; this rank's shard
+  // into it (and into A_full); the chunk flag; READY.
+  wait_kernel<<<1, 32, 0, m>>>(a->done_slots, a->done_expected, W, a->mask, a->timeout_ns,
+                               a->done_channel, a->tag, dev, latch);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  size_t bytes[4];
+  for (int i = 0; i < a->ncopy; ++i) bytes[i] = static_cast<size_t>(a->copy_bytes[i]);
+  MPTP_TRY(copy_guarded(a->main, const_cast<void* const*>(a->copy_dst), a->copy_src, bytes,
+                        a->ncopy));
+  signal_wait_kernel<<<1, 32, 0, m>>>(a->ready_sig, W, a->ready_slots, a->ready_expected, W,
+                                      a->mask, a->timeout_ns, a->ready_channel, a->tag, dev,
+                                      latch, a->own_flag);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  // side: after main's READY, pull every peer's chunk (its scales first), then DONE.
+  MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a->fork), m));
+  MPTP_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a->fork), 0));
+  bool ce = a->use_ce != 0 && ce_copies(a->side) == 1;
+  auto at = [](uint64_t p) { return reinterpret_cast<void*>(p); };
+  if (a->nscale) {
+    // NOTE: the consumer waits for the scales (an event) before it is launched: it holds every
+    // SM and spins on chunk flags only, so nothing it waits for may queue behind it.
+    for (int i = 0; i < a->npull; ++i) {
+      const auto* src = static_cast<const unsigned char*>(a->pull_src[i]) + a->scale_src_off;
+      MPTP_TRY(copy(drv, s, at(a->scale_base + a->peers[i] * a->scale_bytes), src,
+                    a->scale_bytes, ce));
+    }
+    MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a->scales_in), s));
+    MPTP_CUDA_CHECK(cudaStreamWaitEvent(m, static_cast<cudaEvent_t>(a->scales_in), 0));
+  }
+  for (int i = 0; i < a->npull; ++i) {
+    MPTP_TRY(copy(drv, s, at(a->full_base + a->peers[i] * a->chunk_bytes), a->pull_src[i],
+                  a->chunk_bytes, ce));
+    int rc = drv->stream_write_value32(a->side, reinterpret_cast<uint64_t>(a->pull_flag[i]), 1,
+                                       kWriteDefault);
+    MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
+  }
+  signal_kernel<<<1, 32, 0, s>>>(a->done_sig, W, latch);
+  MPTP_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int ag_end(void* main, void* side, void* join, void* const* ptrs, const size_t* bytes, int n,
+           uint32_t* flags, int nflags, const void* err) {
+  MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(join), static_cast<cudaStream_t>(side)));
+  MPTP_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main),
+                                      static_cast<cudaEvent_t>(join), 0));
+  return finish(main, ptrs, bytes, n, flags, nflags, err);
+}
+
+int event_create(void** event) {
+  cudaEvent_t e = nullptr;
+  MPTP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *event = e;
+  return 0;
+}
+
+int event_destroy(void* event) {
+  MPTP_CUDA_CHECK(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
   return 0;
 }
 

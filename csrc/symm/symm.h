@@ -82,6 +82,68 @@ int fail_latch(int32_t** latch);
 int copy_guarded(void* stream, void* const* dsts, const void* const* srcs, const size_t* bytes,
                  int n);
 
+// The communication half of a fused all-gather-matmul's start, in one call (one ctypes call from
+// Python instead of about ten). On `main`: wait DONE (one small kernel), the guarded copies
+// (this rank's shard into its symmetric buffer and into its chunk of A_full), then one small
+// kernel that sets this rank's chunk flag and runs the READY barrier. Then `side` waits for
+// `main` (event `fork`); on `side`: the row-scale pulls, if any (then `main` waits for them:
+// event `scales_in`), the chunk pulls, each followed by its chunk flag (memop), and DONE's
+// signal. Every address is a device address; peers[i] is the i-th peer pulled.
+constexpr int kMaxPeers = 32;
+struct AgBeginArgs {
+  void* main;
+  void* side;
+  void* fork;       // cudaEvent_t
+  void* scales_in;  // cudaEvent_t, used where nscale > 0
+  // DONE and READY: counters in this rank's pad, expected counts, signal slot tables (device
+  // arrays of W pointers, this rank's entry null), as wait() and signal_wait() take them.
+  const uint32_t* done_slots;
+  uint32_t* done_expected;
+  uint32_t* const* done_sig;
+  const uint32_t* ready_slots;
+  uint32_t* ready_expected;
+  uint32_t* const* ready_sig;
+  uint32_t* own_flag;  // set to 1 before the READY barrier (the consumer reads it)
+  uint64_t timeout_ns;
+  int32_t world_size;
+  uint32_t mask;  // every peer
+  int32_t tag;
+  int32_t done_channel;
+  int32_t ready_channel;
+  int32_t ncopy;  // guarded copies on main, <= 4
+  int32_t npull;  // peers pulled, <= kMaxPeers - 1
+  int32_t nscale;  // 0, or 1: pull the peers' row scales first
+  int32_t use_ce;
+  int32_t pad_;
+  void* copy_dst[4];
+  const void* copy_src[4];
+  uint64_t copy_bytes[4];
+  // Peer i's chunk: from pull_src[i] (its buffer as mapped here) to full_base + peers[i] *
+  // chunk_bytes, then pull_flag[i] = 1; its scales from pull_src[i] + scale_src_off to
+  // scale_base + peers[i] * scale_bytes.
+  uint64_t full_base;
+  uint64_t chunk_bytes;
+  uint64_t scale_base;
+  uint64_t scale_bytes;
+  uint64_t scale_src_off;
+  const void* pull_src[kMaxPeers];
+  uint32_t* pull_flag[kMaxPeers];
+  int32_t peers[kMaxPeers];
+};
+int ag_begin(const AgBeginArgs* a);
+
+// The end of a fused all-gather-matmul: `main` waits for `side` (event `join`), then finish().
+int ag_end(void* main, void* side, void* join, void* const* ptrs, const size_t* bytes, int n,
+           uint32_t* flags, int nflags, const void* err);
+
+// finish(), then signal(sig_slots) from the same small kernel (fail-stop: no signal once the
+// error record is set): a reduce-scatter's end and its DONE in one launch.
+int finish_signal(void* stream, void* const* ptrs, const size_t* bytes, int n, uint32_t* flags,
+                  int nflags, const void* err, uint32_t* const* sig_slots, int nsig);
+
+int event_create(void** event);
+int event_destroy(void* event);
+
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.
 int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value);

@@ -172,57 +172,48 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         scale_rows = scaled[0].movedim(gather_dim, 0).contiguous().view(-1).float()
         nbytes = off_scale + rows * 4
     assert nbytes <= ws.nbytes, (nbytes, ws.nbytes)
-    main = torch.cuda.current_stream(dev)
-    side = ws.side
-    main_h, side_h = main.cuda_stream, side.cuda_stream
+    main_h = P.raw_stream(dev)
     A_full = torch.empty(W * rows, K, device=dev, dtype=A.dtype)
     af = A_full.data_ptr()
     scale_full = torch.empty(W * rows, device=dev, dtype=torch.float32) if scale_rows is not None else None
     bufs = ws._buf_ptrs  # rank p's buffer as mapped here; this rank's shard at its start
-    flag0 = ws.flags.data_ptr()  # int32 chunk flags
-    fork, scales_in, join = _events(ws)
-
-    _begin(ws, _TAG_AG)
+    # NOTE: recorded before anything can raise: a call that fails below must not hand A_full
+    # back to the allocator while the side stream's copies still land in it.
+    A_full.record_stream(ws.side)
+    if scale_full is not None:
+        scale_full.record_stream(ws.side)
+    ws.check()
+    if torch.cuda.is_current_stream_capturing():
+        ws.captured = True
+    a = _ag_args(ws)
+    a.main = main_h
+    a.timeout_ns = int(env.timeout_s() * 1e9)
+    a.use_ce = 1 if env.ce_copies_enabled() else 0
     # This rank's shard into its symmetric buffer and into its chunk of A_full (and the row
     # scales likewise), one launch that writes nothing once a wait has timed out (fail-stop;
     # the outputs and A_full are NaN then).
     src = A2.data_ptr()
-    dsts, srcs, sizes = [bufs[rank]], [src], [a_bytes]
+    a.copy_dst[0], a.copy_src[0], a.copy_bytes[0] = bufs[rank], src, a_bytes
+    n = 1
     if (af + rank * a_bytes - src) % 16 == 0:  # 16-byte words in the guarded copy kernel
-        dsts.append(af + rank * a_bytes)
-        srcs.append(src)
-        sizes.append(a_bytes)
-    else:  # NOTE: a misaligned chunk would be copied in smaller words: a plain copy instead
+        a.copy_dst[1], a.copy_src[1], a.copy_bytes[1] = af + rank * a_bytes, src, a_bytes
+        n = 2
+    else:  # NOTE: a misaligned chunk would be copied in smaller words: a plain copy instead (of a
+        # local tensor: it needs no DONE)
         A_full[rank * rows : (rank + 1) * rows].copy_(A2)
+    a.nscale = 0
     if scale_rows is not None:
-        sr = scale_rows.data_ptr()
-        dsts += [bufs[rank] + off_scale, scale_full.data_ptr() + rank * rows * 4]
-        srcs += [sr, sr]
-        sizes += [rows * 4, rows * 4]
-    P.copy_guarded_at(main_h, dsts, srcs, sizes)
-    P.write_value_at(flag0 + 4 * rank, 1, main_h)
-    ws.barrier(CH_READY, tag=_TAG_AG, stream=main)  # signal READY, wait READY: one launch
-    fork.record(main)
-    side.wait_event(fork)
-    # NOTE: recorded before anything can raise: a call that fails below must not hand A_full
-    # back to the allocator while the side stream's copies still land in it.
-    A_full.record_stream(side)
-    if scale_full is not None:
-        scale_full.record_stream(side)
-    peers = [(rank + i) % W for i in range(1, W)]
-    if scale_rows is not None:
-        # NOTE: the row scales are pulled first, and the consumer is launched only after them
-        # (an event): it holds every SM and spins on chunk flags only, so nothing it waits for
-        # may queue behind it, and a small device-to-device copy may be run by a kernel.
-        sf = scale_full.data_ptr()
-        P.pull_at(side_h, [sf + p * rows * 4 for p in peers], [bufs[p] + off_scale for p in peers],
-                  [rows * 4] * len(peers), [None] * len(peers))  # fmt: skip
-        scales_in.record(side)
-        main.wait_event(scales_in)
-    # One call: W-1 copy-engine pulls, each followed by its chunk flag (memop).
-    P.pull_at(side_h, [af + p * a_bytes for p in peers], [bufs[p] for p in peers], [a_bytes] * len(peers),
-              [flag0 + 4 * p for p in peers])  # fmt: skip
-    ws.put_signal(CH_DONE, stream=side)
+        sr, sf = scale_rows.data_ptr(), scale_full.data_ptr()
+        for d in (bufs[rank] + off_scale, sf + rank * rows * 4):
+            a.copy_dst[n], a.copy_src[n], a.copy_bytes[n] = d, sr, rows * 4
+            n += 1
+        a.nscale, a.scale_base, a.scale_bytes, a.scale_src_off = 1, sf, rows * 4, off_scale
+    a.ncopy = n
+    a.full_base, a.chunk_bytes = af, a_bytes
+    # main: wait DONE, the copies, this chunk's flag, READY; side: the peers' scales (then main
+    # waits for them: the consumer holds every SM and spins on chunk flags only, so nothing it
+    # waits for may queue behind it), their chunks each with its flag, DONE. One call.
+    P.ag_begin(a)
     kw = dict(num_chunks=W, order=ws.ag_order, flags=ws.flags, epoch=1, mode=pm.MODE_CONSUMER,
               timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev),
               poison=False)  # fmt: skip
@@ -238,12 +229,10 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
             a_s = A_scale.float()
         outs2 = _scaled_launches(A_full, Bs, a_s, scaled, **kw)
     # Join first: every flag write of the side stream has landed before the reset (a consumer
-    # that timed out, or had no tile to compute, did not wait for all of them).
-    join.record(side)
-    main.wait_event(join)
-    # One launch: the outputs (and the gathered A: one whose READY wait timed out holds stale
-    # bytes) become NaN if a wait timed out; then the flags are reset.
-    _finish(ws, [A_full if return_A else None, *outs2], ws.flags)
+    # that timed out, or had no tile to compute, did not wait for all of them). Then one launch:
+    # the outputs (and the gathered A: one whose READY wait timed out holds stale bytes) become
+    # NaN if a wait timed out; then the flags are reset.
+    _finish(ws, [A_full if return_A else None, *outs2], ws.flags, join=(ws.side.cuda_stream, ws.raw_events()[2]))
     if plain:
         return (A_full if return_A else None), outs2
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
@@ -251,13 +240,30 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     return A_ret, outs
 
 
-def _events(ws):
-    """The workspace's fork, row-scale and join events (reused: a wait takes the event's latest
-    record at the time it is enqueued, and the dispatcher runs one call of a group at a time)."""
-    evs = ws.__dict__.get("_events")
-    if evs is None:
-        evs = ws._events = tuple(torch.cuda.Event() for _ in range(3))
-    return evs
+def _ag_args(ws):
+    """The workspace's AgBeginArgs (csrc/symm/symm.h), its per-workspace fields filled in once: a
+    call sets only its own (streams, addresses, sizes). NOTE: reused from call to call (the C
+    side reads it during the call only; the dispatcher runs one call of a group at a time)."""
+    a = ws.__dict__.get("_ag_args")
+    if a is None:
+        W, r = ws.world_size, ws.rank
+        a = _C.AgBeginArgs()
+        a.side = ws.side.cuda_stream
+        a.fork, a.scales_in, _ = ws.raw_events()
+        table, exp = ws._signal_ptrs(CH_DONE)
+        pad = ws._pad_ptrs[r]
+        a.done_slots, a.done_expected, a.done_sig = pad + CH_DONE * W * 4, exp + CH_DONE * W * 4, table + CH_DONE * W * 8
+        a.ready_slots, a.ready_expected, a.ready_sig = pad + CH_READY * W * 4, exp + CH_READY * W * 4, table + CH_READY * W * 8
+        flag0 = ws.flags.data_ptr()  # int32 chunk flags
+        a.own_flag = flag0 + 4 * r
+        a.world_size, a.mask, a.tag = W, ((1 << W) - 1) & ~(1 << r), _TAG_AG
+        a.done_channel, a.ready_channel = CH_DONE, CH_READY
+        peers = [(r + i) % W for i in range(1, W)]
+        a.npull = len(peers)
+        for i, p in enumerate(peers):
+            a.peers[i], a.pull_src[i], a.pull_flag[i] = p, ws._buf_ptrs[p], flag0 + 4 * p
+        ws._ag_args = a
+    return a
 
 
 def _views(ws, key, make):
@@ -273,12 +279,15 @@ def _views(ws, key, make):
     return v
 
 
-def _finish(ws, tensors, flags) -> None:
-    """P.finish over any number of tensors (at most P.MAX_FINISH per launch); flags reset last."""
+def _finish(ws, tensors, flags, signal=None, join=None) -> None:
+    """P.finish over any number of tensors (at most P.MAX_FINISH per launch); flags reset, and the
+    signal sent, by the last launch; the join waited for by the first."""
     ts = [t for t in tensors if t is not None]
     step = P.MAX_FINISH
     for i in range(0, max(len(ts), 1), step):
-        P.finish(ts[i : i + step], ws.err, flags if i + step >= len(ts) else None)
+        last = i + step >= len(ts)
+        P.finish(ts[i : i + step], ws.err, flags if last else None, signal=signal if last else None,
+                 join=join if i == 0 else None)  # fmt: skip
 
 
 def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled=None, ref_fn=None, args=None):
@@ -385,13 +394,13 @@ def _rs_run(ws, A, B, reduce_op, scatter_dim, group_name, W, out_shape, scaled=N
                              fast_accum=fast, **kw)  # fmt: skip
     if in_kernel:
         # NaN if a wait timed out; the arrival flags zeroed (before DONE: a peer flags our next
-        # call's chunk only after it has seen DONE from every rank).
-        _finish(ws, [out], ws.arrived)
+        # call's chunk only after it has seen DONE from every rank); DONE, from the same launch.
+        _finish(ws, [out], ws.arrived, signal=(ws, CH_DONE))
     else:
         ws.barrier(CH_READY, tag=_TAG_RS)
         reduce_partials(mine, out, scale=scale)
-        _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
-    ws.put_signal(CH_DONE)
+        # NaN if a wait timed out (the partials may be stale); DONE, from the same launch.
+        _finish(ws, [out], None, signal=(ws, CH_DONE))
     if len(lead) == 1:  # a 2-D A scattered along its rows: out is the result
         return out
     sc_lead = list(lead)
@@ -428,8 +437,7 @@ def _rs_last_dim(ws, A, B, reduce_op, W, out_shape, scaled):
     mine = ws.buffers[rank][: W * M * Nc * elem].view(out_dtype).view(W, M, Nc)
     out = torch.empty(M, Nc, device=A.device, dtype=out_dtype)
     reduce_partials(mine, out, scale=1.0 / W if reduce_op == "avg" else 1.0)
-    _finish(ws, [out], None)  # NaN if a wait timed out (the partials may be stale)
-    ws.put_signal(CH_DONE)
+    _finish(ws, [out], None, signal=(ws, CH_DONE))  # NaN if a wait timed out; DONE
     return out.view(*out_shape[:-1], Nc)
 
 

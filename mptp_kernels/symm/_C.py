@@ -11,9 +11,29 @@ from typing import Optional
 
 # The C ABI this Python code calls (csrc/bindings.cpp mptp_abi_version); an extension built from
 # other sources is refused rather than called with the wrong arguments.
-ABI_VERSION = 4
+ABI_VERSION = 5
 _lib = None
 _why: Optional[str] = None
+_P, _U64, _I32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32
+MAX_PEERS = 32  # csrc/symm/symm.h kMaxPeers
+
+
+class AgBeginArgs(ctypes.Structure):
+    """csrc/symm/symm.h AgBeginArgs (its size is checked against the library's at load)."""
+
+    _fields_ = [
+        ("main", _P), ("side", _P), ("fork", _P), ("scales_in", _P),
+        ("done_slots", _P), ("done_expected", _P), ("done_sig", _P),
+        ("ready_slots", _P), ("ready_expected", _P), ("ready_sig", _P), ("own_flag", _P),
+        ("timeout_ns", _U64),
+        ("world_size", _I32), ("mask", ctypes.c_uint32), ("tag", _I32), ("done_channel", _I32),
+        ("ready_channel", _I32), ("ncopy", _I32), ("npull", _I32), ("nscale", _I32), ("use_ce", _I32),
+        ("pad_", _I32),
+        ("copy_dst", _P * 4), ("copy_src", _P * 4), ("copy_bytes", ctypes.c_size_t * 4),
+        ("full_base", _U64), ("chunk_bytes", _U64), ("scale_base", _U64), ("scale_bytes", _U64),
+        ("scale_src_off", _U64),
+        ("pull_src", _P * MAX_PEERS), ("pull_flag", _P * MAX_PEERS), ("peers", _I32 * MAX_PEERS),
+    ]  # fmt: skip
 
 
 def _find() -> Optional[str]:
@@ -58,6 +78,14 @@ def _declare(lib) -> None:
         "mptp_finish": (c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p]),
         "mptp_stream_wait_value": (c.c_int, [c.c_void_p, c.c_void_p, c.c_uint32]),
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
+        "mptp_ag_begin": (c.c_int, [c.POINTER(AgBeginArgs)]),
+        "mptp_ag_begin_args_bytes": (c.c_int, []),
+        "mptp_ag_end": (c.c_int, [c.c_void_p] * 3 + [c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p]),
+        "mptp_finish_signal": (
+            c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int]
+        ),
+        "mptp_event_create": (c.c_int, [c.POINTER(c.c_void_p)]),
+        "mptp_event_destroy": (c.c_int, [c.c_void_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -87,7 +115,12 @@ def lib():
                             "(pip install --no-build-isolation -e .)")
                 else:
                     _declare(handle)
-                    _lib = handle
+                    size = handle.mptp_ag_begin_args_bytes()
+                    if size != ctypes.sizeof(AgBeginArgs):  # the struct the two sides share
+                        _why = (f"{path}: AgBeginArgs is {size} bytes there, {ctypes.sizeof(AgBeginArgs)} here: "
+                                "rebuild it (pip install --no-build-isolation -e .)")
+                    else:
+                        _lib = handle
             except (OSError, AttributeError) as e:
                 _why = f"cannot load {path}: {e}"
     return _lib

@@ -80,6 +80,7 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
     def free(self) -> None:
         self._freed = True
         torch.cuda.synchronize(self.device)
+        self._destroy_events()
         self.buffers, self.pads = [], []
 
     def abandon(self) -> None:

@@ -482,6 +482,26 @@ class SymmetricMemory:
     def check(self) -> None:
         check_errors(self.group_name, self.rank)
 
+    def raw_events(self):
+        """Three CUDA events (raw handles, timing off) for the ops' stream forks and joins: made on
+        first use, destroyed by free(). NOTE: reused from call to call: a wait takes the event's
+        latest record when it is enqueued, and the dispatcher runs one call of a group at a time."""
+        evs = self.__dict__.get("_raw_events")
+        if evs is None:
+            made = []
+            with torch.cuda.device(self.device):
+                for _ in range(3):
+                    p = ctypes.c_void_p()
+                    _C.check(_lib().mptp_event_create(ctypes.byref(p)), "cudaEventCreate")
+                    made.append(p.value)
+            evs = self._raw_events = tuple(made)
+        return evs
+
+    def _destroy_events(self) -> None:
+        """After a device synchronize (free): nothing recorded on them is pending."""
+        for e in self.__dict__.pop("_raw_events", ()):
+            _lib().mptp_event_destroy(e)
+
     # -- teardown -------------------------------------------------------------------------------
 
     def free(self) -> None:
@@ -491,6 +511,7 @@ class SymmetricMemory:
         self._freed = True
         lib = _lib()
         torch.cuda.synchronize(self.device)
+        self._destroy_events()
         dist.barrier(group=self.group)  # nobody reads our buffer any more
         self.buffers, self.pads = [], []
         self._slot_table = self._expected = self.buffer_ptrs = self.arrive_to = self.arrived = None
@@ -621,20 +642,42 @@ MAX_FINISH = 8  # csrc/symm/symm.h kMaxFinish
 _PTRS, _SIZES = ctypes.c_void_p * MAX_FINISH, ctypes.c_size_t * MAX_FINISH
 
 
-def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, stream=None) -> None:
+def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, stream=None, signal=None,
+           join=None) -> None:
     """The end of a fused call, one small kernel: every tensor (contiguous, at most 8) becomes
     all-ones bytes (NaN in every float dtype) if err[0] (an error record) is set, then `flags`
-    (int32, at most 32) is zeroed. Stream-ordered; the record is read once."""
+    (int32, at most 32) is zeroed. Stream-ordered; the record is read once.
+
+    signal: (workspace, channel): the same kernel then signals `channel` to every peer (fail-stop,
+    as put_signal), one launch instead of two. join: (side stream handle, event handle): the
+    stream first waits for the side stream's work so far (event recorded there), in the same
+    call. Not both."""
     ts = [t for t in tensors if t is not None and t.numel() > 0]
     assert len(ts) <= MAX_FINISH and all(t.is_contiguous() for t in ts)
+    assert signal is None or join is None
     n = len(ts)
     ptrs = _PTRS(*[t.data_ptr() for t in ts])
     sizes = _SIZES(*[t.numel() * t.element_size() for t in ts])
     nflags = 0 if flags is None else flags.numel()
     assert flags is None or (flags.dtype == torch.int32 and flags.is_contiguous() and nflags <= 32)
     stream = stream.cuda_stream if stream is not None else raw_stream(err.device)
-    _C.check(_lib().mptp_finish(stream, ptrs, sizes, n, flags.data_ptr() if nflags else None, nflags,
-                                err.data_ptr()), "finish")  # fmt: skip
+    fl = flags.data_ptr() if nflags else None
+    if signal is not None:
+        ws, channel = signal
+        W = ws.world_size
+        sig = ws._signal_ptrs(channel)[0] + channel * W * 8 if W > 1 else None
+        rc = _lib().mptp_finish_signal(stream, ptrs, sizes, n, fl, nflags, err.data_ptr(), sig, W if sig else 0)
+    elif join is not None:
+        rc = _lib().mptp_ag_end(stream, join[0], join[1], ptrs, sizes, n, fl, nflags, err.data_ptr())
+    else:
+        rc = _lib().mptp_finish(stream, ptrs, sizes, n, fl, nflags, err.data_ptr())
+    _C.check(rc, "finish")
+
+
+def ag_begin(args) -> None:
+    """mptp_ag_begin (csrc/symm/symm.h AgBeginArgs): an all-gather-matmul's transfers and signals
+    on its main and side streams, in one call."""
+    _C.check(_lib().mptp_ag_begin(ctypes.byref(args)), "ag_begin")
 
 
 def ce_copies(stream=None) -> bool:
