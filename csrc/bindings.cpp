@@ -76,6 +76,12 @@ MPTP_API int mptp_finish_signal(void* stream, void* const* ptrs, const size_t* b
 }
 MPTP_API int mptp_event_create(void** event) { return mptp::event_create(event); }
 MPTP_API int mptp_event_destroy(void* event) { return mptp::event_destroy(event); }
+MPTP_API int mptp_event_record(void* event, void* stream) {
+  return mptp::event_record(event, stream);
+}
+MPTP_API int mptp_stream_wait_event(void* stream, void* event) {
+  return mptp::stream_wait_event(stream, event);
+}
 MPTP_API int mptp_device_count(int* n) {
   cudaError_t err = cudaGetDeviceCount(n);
   if (err != cudaSuccess) {

@@ -506,6 +506,17 @@ int event_destroy(void* event) {
   return 0;
 }
 
+int event_record(void* event, void* stream) {
+  MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int stream_wait_event(void* stream, void* event) {
+  MPTP_CUDA_CHECK(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+  return 0;
+}
+
 int stream_wait_value(void* stream, const uint32_t* addr, uint32_t value) {
   const Driver* drv = driver();
   if (drv == nullptr) return -1;

@@ -143,6 +143,10 @@ int finish_signal(void* stream, void* const* ptrs, const size_t* bytes, int n, u
 
 int event_create(void** event);
 int event_destroy(void* event);
+// cudaEventRecord(event, stream); cudaStreamWaitEvent(stream, event): a call's order after the
+// previous one of its group (ops/dispatch.py _guard), without a torch Event per call.
+int event_record(void* event, void* stream);
+int stream_wait_event(void* stream, void* event);
 
 // Stream memory-op wait (cuStreamWaitValue32): no SM, but unbounded; used only
 // where the flag is written by this process's own copy stream.

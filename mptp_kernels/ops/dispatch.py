@@ -493,6 +493,18 @@ def _run(name: str, *args, **kwargs):
         return ref_fn(*args, **kwargs)
 
 
+_PRIMS = []
+
+
+def _prims():
+    """symm.primitives, imported on first use (a CPU-only call never needs it)."""
+    if not _PRIMS:
+        from ..symm import primitives
+
+        _PRIMS.append(primitives)
+    return _PRIMS[0]
+
+
 class _guard:
     """Runs one call on the workspace: ordered after the previous call, and marked broken if it
     raises after its rendezvous.
@@ -515,11 +527,12 @@ class _guard:
         ws = self.ws
         if ws is None:
             return self
-        self.stream = stream = torch.cuda.current_stream(ws.device)
+        P = _prims()
+        self.stream = stream = P.raw_stream(ws.device)  # raw handles: no Stream or Event object per call
         self.capturing = torch.cuda.is_current_stream_capturing()
         self.last = last = getattr(ws, "last_call", None)
         if last is not None and not self.capturing and last[0] != stream:
-            stream.wait_event(last[1])
+            P.stream_wait_event(stream, last[1])
         return self
 
     def __exit__(self, typ, e, tb):
@@ -534,9 +547,8 @@ class _guard:
         if self.capturing:
             ws.last_call = None  # replays run on the capture's stream: no eager event orders them
         else:
-            last = self.last
-            ev = last[1] if last is not None else torch.cuda.Event()
-            ev.record(self.stream)
+            ev = ws.raw_events()[3]
+            _prims().event_record(ev, self.stream)
             ws.last_call = (self.stream, ev)
         return False
 

@@ -86,6 +86,8 @@ def _declare(lib) -> None:
         ),
         "mptp_event_create": (c.c_int, [c.POINTER(c.c_void_p)]),
         "mptp_event_destroy": (c.c_int, [c.c_void_p]),
+        "mptp_event_record": (c.c_int, [c.c_void_p, c.c_void_p]),
+        "mptp_stream_wait_event": (c.c_int, [c.c_void_p, c.c_void_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -483,14 +483,14 @@ class SymmetricMemory:
         check_errors(self.group_name, self.rank)
 
     def raw_events(self):
-        """Three CUDA events (raw handles, timing off) for the ops' stream forks and joins: made on
+        """Four CUDA events (raw handles, timing off) for the ops' stream forks and joins: made on
         first use, destroyed by free(). NOTE: reused from call to call: a wait takes the event's
         latest record when it is enqueued, and the dispatcher runs one call of a group at a time."""
         evs = self.__dict__.get("_raw_events")
         if evs is None:
             made = []
             with torch.cuda.device(self.device):
-                for _ in range(3):
+                for _ in range(4):
                     p = ctypes.c_void_p()
                     _C.check(_lib().mptp_event_create(ctypes.byref(p)), "cudaEventCreate")
                     made.append(p.value)
@@ -672,6 +672,16 @@ def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, str
     else:
         rc = _lib().mptp_finish(stream, ptrs, sizes, n, fl, nflags, err.data_ptr())
     _C.check(rc, "finish")
+
+
+def event_record(event: int, stream: int) -> None:
+    """cudaEventRecord on raw handles."""
+    _C.check(_lib().mptp_event_record(event, stream), "cudaEventRecord")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    """cudaStreamWaitEvent on raw handles."""
+    _C.check(_lib().mptp_stream_wait_event(stream, event), "cudaStreamWaitEvent")
 
 
 def ag_begin(args) -> None:

@@ -292,6 +292,8 @@ def _slow_not_dead_peer(seed, op, path):
             stall(channel)
 
         P.SymmetricMemory.wait_signal, P.SymmetricMemory.barrier = slow_wait, slow_barrier
+        if op == "ag" and path == "fused":
+            P.ag_begin = _ag_begin_stalled_after_ready(P.ag_begin)
     outs = [run(1), run(2)]
     torch.cuda.synchronize()
     nan = []
@@ -308,6 +310,37 @@ def _slow_not_dead_peer(seed, op, path):
     assert 2 in nan, f"rank {r}: the call that timed out returned values"
     _expect(RuntimeError, lambda: run(3), "timed out")
     return nan
+
+
+def _ag_begin_stalled_after_ready(orig):
+    """P.ag_begin for one call, step by step as csrc ag_begin takes them, with the stall of
+    _slow_not_dead_peer between READY and the pulls (the fused all-gather makes its waits and
+    transfers in that one C call, where no Python can come between them); then the original."""
+    from mptp_kernels.symm import _C
+    from mptp_kernels.symm import primitives as P
+
+    def once(a):
+        P.ag_begin = orig
+        lib, W = _C.lib(), a.world_size
+        assert a.nscale == 0  # the test's calls are bf16
+        _C.check(lib.mptp_wait(a.main, a.done_slots, a.done_expected, W, a.mask, a.timeout_ns,
+                               a.done_channel, a.tag), "wait")  # fmt: skip
+        _C.check(lib.mptp_copy_guarded(a.main, a.copy_dst, a.copy_src, a.copy_bytes, a.ncopy), "copy")
+        _C.check(lib.mptp_write_value(a.main, a.own_flag, 1), "flag")
+        _C.check(lib.mptp_signal_wait(a.main, a.ready_sig, a.ready_slots, a.ready_expected, W, a.mask,
+                                      a.timeout_ns, a.ready_channel, a.tag), "ready")  # fmt: skip
+        assert a.main == torch.cuda.current_stream().cuda_stream
+        torch.cuda._sleep(int(8e9))  # ~4-5 s of GPU cycles, after READY, before the reads
+        fork = torch.cuda.Event()
+        fork.record()
+        side = torch.cuda.ExternalStream(a.side)
+        side.wait_event(fork)
+        n = a.npull
+        dsts = [a.full_base + a.peers[i] * a.chunk_bytes for i in range(n)]
+        P.pull_at(a.side, dsts, list(a.pull_src[:n]), [a.chunk_bytes] * n, list(a.pull_flag[:n]))
+        _C.check(lib.mptp_signal(a.side, a.done_sig, W), "done")
+
+    return once
 
 
 @pytest.mark.parametrize("op,path", [("ag", "fused"), ("rs", "fused"), ("ag", "reference"), ("rs", "reference")])
