@@ -30,6 +30,11 @@ done 2>&1 | tee "$OUT/floors/summary.txt"
 if [ -n "${GROUP_A:-}" ]; then
   mkdir -p "$OUT/tests"
   SKIP_BUILD=1 OUT="$OUT/tests" TEST_TIMEOUT=${TEST_TIMEOUT:-300} bash scripts/gpu_tests.sh > "$OUT/tests/run.txt" 2>&1
+  # SERIAL: tests that must have the GPU to themselves (test_symm_gpu's memory test reads the
+  # device's free memory, which other groups' processes move by up to a GiB)
+  if [ -n "${SERIAL:-}" ]; then
+    (cd tests && eval "timeout ${SERIAL_TIMEOUT:-200} python3 -m pytest -q -rfE -p no:cacheprovider $SERIAL" > "$OUT/tests/tests_serial.log" 2>&1; echo "exit $?" >> "$OUT/tests/tests_serial.log")
+  fi
   for f in "$OUT"/tests/tests_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)" "$f" | head; tail -2 "$f"; done
   (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
 fi
