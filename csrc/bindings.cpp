@@ -3,6 +3,8 @@
 // (2.11 to 2.14) and compiles in seconds; torch tensors cross as pointers.
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "symm/symm.h"
 #include "utils/check.h"
 #include "utils/driver.h"
@@ -64,6 +66,51 @@ MPTP_API int mptp_stream_wait_value(void* stream, const uint32_t* addr, uint32_t
 }
 MPTP_API int mptp_ag_begin(const mptp::AgBeginArgs* a) { return mptp::ag_begin(a); }
 MPTP_API int mptp_ag_begin_args_bytes() { return static_cast<int>(sizeof(mptp::AgBeginArgs)); }
+// The offset of every field of AgBeginArgs, in declaration order (mptp_kernels/symm/_C.py checks
+// them against its ctypes mirror at load); returns the number of fields, or -1 if n is too small.
+MPTP_API int mptp_ag_begin_args_layout(uint64_t* out, int n) {
+  int i = 0;
+#define MPTP_FIELD(f)                                   \
+  do {                                                  \
+    if (i >= n) return -1;                              \
+    out[i++] = offsetof(mptp::AgBeginArgs, f);          \
+  } while (0)
+  MPTP_FIELD(main);
+  MPTP_FIELD(side);
+  MPTP_FIELD(fork);
+  MPTP_FIELD(scales_in);
+  MPTP_FIELD(done_slots);
+  MPTP_FIELD(done_expected);
+  MPTP_FIELD(done_sig);
+  MPTP_FIELD(ready_slots);
+  MPTP_FIELD(ready_expected);
+  MPTP_FIELD(ready_sig);
+  MPTP_FIELD(own_flag);
+  MPTP_FIELD(timeout_ns);
+  MPTP_FIELD(world_size);
+  MPTP_FIELD(mask);
+  MPTP_FIELD(tag);
+  MPTP_FIELD(done_channel);
+  MPTP_FIELD(ready_channel);
+  MPTP_FIELD(ncopy);
+  MPTP_FIELD(npull);
+  MPTP_FIELD(nscale);
+  MPTP_FIELD(use_ce);
+  MPTP_FIELD(pad_);
+  MPTP_FIELD(copy_dst);
+  MPTP_FIELD(copy_src);
+  MPTP_FIELD(copy_bytes);
+  MPTP_FIELD(full_base);
+  MPTP_FIELD(chunk_bytes);
+  MPTP_FIELD(scale_base);
+  MPTP_FIELD(scale_bytes);
+  MPTP_FIELD(scale_src_off);
+  MPTP_FIELD(pull_src);
+  MPTP_FIELD(pull_flag);
+  MPTP_FIELD(peers);
+#undef MPTP_FIELD
+  return i;
+}
 MPTP_API int mptp_ag_end(void* main, void* side, void* join, void* const* ptrs,
                          const size_t* bytes, int n, uint32_t* flags, int nflags,
                          const void* err) {

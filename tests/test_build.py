@@ -43,6 +43,8 @@ def test_extension_loads_without_libcuda():
     # The one struct the two sides share (csrc/symm/symm.h AgBeginArgs): a layout that differs
     # would pass every address to the wrong field.
     assert lib.mptp_ag_begin_args_bytes() == ctypes.sizeof(_C.AgBeginArgs) == 912
+    theirs, mine = _C.ag_begin_layout(lib)
+    assert theirs == mine and len(mine[1]) == len(_C.AgBeginArgs._fields_), (theirs, mine)
     needed = subprocess.run(["readelf", "-d", lib._name], capture_output=True, text=True).stdout
     assert "libcuda.so" not in needed, needed
     if not torch.cuda.is_available():

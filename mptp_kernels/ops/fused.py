@@ -2,7 +2,8 @@
 
 All-gather-matmul on rank r of W (streams: main = the caller's, side = copies):
     main: wait DONE(prev op) -> local shard into my symm buffer and into A_full
-          -> chunk flag[r] = 1 (memop) -> signal READY, wait READY (tiny kernels)
+          -> chunk flag[r] = 1, signal READY, wait READY (tiny kernels; all of it and the side
+          stream's part below are one C call, symm.primitives.ag_begin)
     side: for p = r+1, r+2, ...: copy peer p's shard into A_full (copy engine),
           flag[p] = 1 (memop) ; then signal DONE (I no longer read your buffers)
     main: consumer matmul over chunks r, r+1, ... (waits on flag[c] per chunk)
@@ -18,7 +19,7 @@ Matmul-reduce-scatter on rank r (chunks in the order r+1, r+2, ..., r: its own l
     else: signal READY, wait READY -> out = sum_p slot p of my buffer (fp32,
           rank order) -> signal DONE
 NOTE: the all-gather's matmul spins only on flags written by copy-engine memops of
-its own process, and every other cross-rank wait is a tiny kernel launched before
+its own process (or, its own chunk's, by a kernel that ends before it is launched), and every other cross-rank wait is a tiny kernel launched before
 the matmul holds the SMs, or after it; so W ranks sharing one GPU cannot deadlock.
 The reduce-scatter's in-matmul sum (opt-in) breaks that rule: its programs hold their SMs
 while they wait for the peers' matmuls (on a shared GPU, or a loopback group's earlier tiles,
@@ -232,7 +233,8 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     # that timed out, or had no tile to compute, did not wait for all of them). Then one launch:
     # the outputs (and the gathered A: one whose READY wait timed out holds stale bytes) become
     # NaN if a wait timed out; then the flags are reset.
-    _finish(ws, [A_full if return_A else None, *outs2], ws.flags, join=(ws.side.cuda_stream, ws.raw_events()[2]))
+    _finish(ws, [A_full if return_A else None, *outs2], ws.flags, join=(ws.side.cuda_stream, ws.raw_events()[2]),
+            stream=main_h)  # fmt: skip
     if plain:
         return (A_full if return_A else None), outs2
     outs = [o.view(*full_lead, o.shape[-1]).movedim(0, gather_dim) for o in outs2]
@@ -245,11 +247,12 @@ def _ag_args(ws):
     call sets only its own (streams, addresses, sizes). NOTE: reused from call to call (the C
     side reads it during the call only; the dispatcher runs one call of a group at a time)."""
     a = ws.__dict__.get("_ag_args")
-    if a is None:
+    if a is None or ws._freed:
+        ws._signal_ptrs(CH_DONE)  # raises for a freed workspace (the struct holds its addresses)
         W, r = ws.world_size, ws.rank
         a = _C.AgBeginArgs()
         a.side = ws.side.cuda_stream
-        a.fork, a.scales_in, _ = ws.raw_events()
+        a.fork, a.scales_in = ws.raw_events()[:2]
         table, exp = ws._signal_ptrs(CH_DONE)
         pad = ws._pad_ptrs[r]
         a.done_slots, a.done_expected, a.done_sig = pad + CH_DONE * W * 4, exp + CH_DONE * W * 4, table + CH_DONE * W * 8
@@ -279,14 +282,17 @@ def _views(ws, key, make):
     return v
 
 
-def _finish(ws, tensors, flags, signal=None, join=None) -> None:
-    """P.finish over any number of tensors (at most P.MAX_FINISH per launch); flags reset, and the
-    signal sent, by the last launch; the join waited for by the first."""
+def _finish(ws, tensors, flags, signal=None, join=None, stream=None) -> None:
+    """P.finish over any number of tensors (at most P.MAX_FINISH per launch), on the raw stream
+    handle `stream` (default: the current stream of the workspace's device, the op's); flags reset,
+    and the signal sent, by the last launch; the join waited for by the first."""
     ts = [t for t in tensors if t is not None]
     step = P.MAX_FINISH
+    if stream is None:
+        stream = P.raw_stream(ws.device)
     for i in range(0, max(len(ts), 1), step):
         last = i + step >= len(ts)
-        P.finish(ts[i : i + step], ws.err, flags if last else None, signal=signal if last else None,
+        P.finish(ts[i : i + step], ws.err, flags if last else None, stream=stream, signal=signal if last else None,
                  join=join if i == 0 else None)  # fmt: skip
 
 

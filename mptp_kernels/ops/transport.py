@@ -169,7 +169,7 @@ class SymmTransport:
         P.pull_at(stream, [o + p * n for p in range(W)],
                   [src.data_ptr() if p == r else ws._buf_ptrs[p] for p in range(W)], [n] * W, [None] * W)
         ws.put_signal(P.CH_DONE)
-        P.finish([out], ws.err)  # NaN if a wait timed out
+        P.finish([out], ws.err, stream=stream)  # NaN if a wait timed out
         return out.view(t.dtype).view(W * t.shape[0], *t.shape[1:]) if t.dim() else out.view(t.dtype)
 
     def reduce_scatter(self, t: torch.Tensor, W: int, group_name: str, scale: float = 1.0) -> torch.Tensor:
@@ -204,5 +204,5 @@ class SymmTransport:
                 out += mine[p]
             out = out.view(out_shape)
         ws.put_signal(P.CH_DONE)
-        P.finish([out], ws.err)  # NaN if a wait timed out
+        P.finish([out], ws.err, stream=P.raw_stream(t.device))  # NaN if a wait timed out
         return out

@@ -80,6 +80,7 @@ def _declare(lib) -> None:
         "mptp_device_count": (c.c_int, [c.POINTER(c.c_int)]),
         "mptp_ag_begin": (c.c_int, [c.POINTER(AgBeginArgs)]),
         "mptp_ag_begin_args_bytes": (c.c_int, []),
+        "mptp_ag_begin_args_layout": (c.c_int, [c.POINTER(c.c_uint64), c.c_int]),
         "mptp_ag_end": (c.c_int, [c.c_void_p] * 3 + [c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p]),
         "mptp_finish_signal": (
             c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int]
@@ -92,6 +93,16 @@ def _declare(lib) -> None:
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+
+
+def ag_begin_layout(handle):
+    """(the library's AgBeginArgs (size, field offsets), this mirror's)."""
+    n = len(AgBeginArgs._fields_)
+    out = (ctypes.c_uint64 * (n + 1))()
+    got = handle.mptp_ag_begin_args_layout(out, n + 1)
+    theirs = (handle.mptp_ag_begin_args_bytes(), list(out[: max(got, 0)]))
+    mine = (ctypes.sizeof(AgBeginArgs), [getattr(AgBeginArgs, f[0]).offset for f in AgBeginArgs._fields_])
+    return theirs, mine
 
 
 def lib():
@@ -117,10 +128,10 @@ def lib():
                             "(pip install --no-build-isolation -e .)")
                 else:
                     _declare(handle)
-                    size = handle.mptp_ag_begin_args_bytes()
-                    if size != ctypes.sizeof(AgBeginArgs):  # the struct the two sides share
-                        _why = (f"{path}: AgBeginArgs is {size} bytes there, {ctypes.sizeof(AgBeginArgs)} here: "
-                                "rebuild it (pip install --no-build-isolation -e .)")
+                    layout = ag_begin_layout(handle)
+                    if layout[0] != layout[1]:  # the struct the two sides share
+                        _why = (f"{path}: AgBeginArgs has (size, field offsets) {layout[0]} there, {layout[1]} "
+                                "here: rebuild it (pip install --no-build-isolation -e .)")
                     else:
                         _lib = handle
             except (OSError, AttributeError) as e:

@@ -81,6 +81,8 @@ class LoopbackSymmetricMemory(P.SymmetricMemory):
         self._freed = True
         torch.cuda.synchronize(self.device)
         self._destroy_events()
+        self.__dict__.pop("_ag_args", None)
+        self.last_call = None
         self.buffers, self.pads = [], []
 
     def abandon(self) -> None:

@@ -24,8 +24,9 @@ read per output: it is host memory), instead of returning what did not arrive. A
 looks at its error.
 
 Chunk-arrival flags that a persistent matmul spins on are written with
-cuStreamWriteValue32 (write_value), never by a kernel: the matmul may hold
-every SM, and a memop needs none.
+cuStreamWriteValue32 (write_value), never by a kernel that may run beside it: the
+matmul may hold every SM, and a memop needs none. (The all-gather's own chunk flag is
+set by its READY kernel, which ends before the matmul is launched on that stream.)
 
 Pseudo-code of a barrier on rank r:
     for p != r: atomic_add(pad[p][ch][r], 1)               # signal kernel
@@ -498,7 +499,8 @@ class SymmetricMemory:
         return evs
 
     def _destroy_events(self) -> None:
-        """After a device synchronize (free): nothing recorded on them is pending."""
+        """Destroys raw_events() (cudaEventDestroy is safe with work still pending on them: the
+        driver releases them once it completes)."""
         for e in self.__dict__.pop("_raw_events", ()):
             _lib().mptp_event_destroy(e)
 
@@ -512,6 +514,8 @@ class SymmetricMemory:
         lib = _lib()
         torch.cuda.synchronize(self.device)
         self._destroy_events()
+        self.__dict__.pop("_ag_args", None)
+        self.last_call = None
         dist.barrier(group=self.group)  # nobody reads our buffer any more
         self.buffers, self.pads = [], []
         self._slot_table = self._expected = self.buffer_ptrs = self.arrive_to = self.arrived = None
@@ -532,6 +536,12 @@ class SymmetricMemory:
         self.buffers, self.pads = [], []
         self.__dict__.pop("_sig_ptrs", None)
         self.__dict__.pop("_views", None)
+        self.__dict__.pop("_ag_args", None)
+        self.last_call = None
+        try:
+            self._destroy_events()
+        except Exception:  # noqa: BLE001 - a dead context (the job is ending): nothing to release
+            pass
         if self.rendezvous is not None:
             self.rendezvous.close()
 
@@ -660,7 +670,11 @@ def finish(tensors, err: torch.Tensor, flags: Optional[torch.Tensor] = None, str
     sizes = _SIZES(*[t.numel() * t.element_size() for t in ts])
     nflags = 0 if flags is None else flags.numel()
     assert flags is None or (flags.dtype == torch.int32 and flags.is_contiguous() and nflags <= 32)
-    stream = stream.cuda_stream if stream is not None else raw_stream(err.device)
+    # stream: a raw handle, a Stream, or None (the current stream of err's device)
+    if stream is None:
+        stream = raw_stream(err.device)
+    elif not isinstance(stream, int):
+        stream = stream.cuda_stream
     fl = flags.data_ptr() if nflags else None
     if signal is not None:
         ws, channel = signal

@@ -329,7 +329,7 @@ def _ag_begin_stalled_after_ready(orig):
         _C.check(lib.mptp_write_value(a.main, a.own_flag, 1), "flag")
         _C.check(lib.mptp_signal_wait(a.main, a.ready_sig, a.ready_slots, a.ready_expected, W, a.mask,
                                       a.timeout_ns, a.ready_channel, a.tag), "ready")  # fmt: skip
-        assert a.main == torch.cuda.current_stream().cuda_stream
+        assert (a.main or 0) == torch.cuda.current_stream().cuda_stream  # ctypes reads NULL as None
         torch.cuda._sleep(int(8e9))  # ~4-5 s of GPU cycles, after READY, before the reads
         fork = torch.cuda.Event()
         fork.record()
