@@ -259,6 +259,53 @@ def test_fused_scaled_matmul_reduce_scatter_strided_scales_and_biases(fused_work
     fused_workers.run(_rs_scaled, SEED, (96, 256), 136, "row", True, torch.float32, True)
 
 
+def _alternating_streams(seed, calls):
+    """Calls on two streams in turn, no synchronization between them, the first stream delayed
+    on the GPU now and then: the dispatcher orders each call after the previous one of its group
+    (an event, ops/dispatch.py _guard), which share the workspace's buffers, flags and signal
+    counters. Every call must compute its own values."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    g = dist.group.WORLD.group_name
+    M, K, N = 256, 512, 384
+    B64 = randn((K, N), seed + 1, dtype=torch.float64, scale=K**-0.5)
+    B = B64.to("cuda", torch.bfloat16)
+    shards = [[randn((M, K), seed + 1000 * i + p) for p in range(W)] for i in range(calls)]
+    # NOTE: on the GPU before the loop: a copy from pageable memory would wait for the delayed stream
+    mine = [sh[r].to("cuda", torch.bfloat16) for sh in shards]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    before = _fused_count("fused_all_gather_matmul"), _fused_count("fused_matmul_reduce_scatter")
+    _poison_allocator()
+    outs = []
+    for i in range(calls):
+        s = streams[i % 2]
+        with torch.cuda.stream(s):
+            if i % 4 == 0:
+                torch.cuda._sleep(20_000_000)  # this stream's call starts late on the GPU
+            A = mine[i]
+            ag = torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g)[1][0]
+            A_rs = torch.cat([A] * W) if W > 1 else A  # [W * M, K]: this rank's rows of every chunk
+            rs = torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g)
+            outs.append((ag, rs))
+    torch.cuda.synchronize()
+    after = _fused_count("fused_all_gather_matmul"), _fused_count("fused_matmul_reduce_scatter")
+    assert after == (before[0] + calls, before[1] + calls), "the fused path did not run"
+    for i, (ag, rs) in enumerate(outs):
+        A_full = torch.cat([a.to(torch.bfloat16) for a in shards[i]])
+        ref = A_full.double() @ B64
+        eager = (A_full.cuda() @ B).float().cpu()
+        assert_matmul_close(ag, ref, eager, k=2.0, atol=1e-4, what=f"call {i}: all-gather")
+        # chunk r of sum_p cat([A_p] * W) @ B is sum_p A_p @ B
+        ref_rs = sum(a.to(torch.bfloat16).double() @ B64 for a in shards[i])
+        eager_rs = sum((a.to("cuda", torch.bfloat16) @ B).float().cpu() for a in shards[i])
+        assert_matmul_close(rs, ref_rs, eager_rs, k=3.0, atol=1e-4, what=f"call {i}: reduce-scatter")
+
+
+def test_calls_on_alternating_streams_compute_their_own_values(fused_workers):
+    fused_workers.run(_alternating_streams, SEED, 12)
+
+
 def _same_signature_new_values(seed):
     """Calls of one signature with new values each time: the later ones take the dispatcher's memo
     (the plan rebound to their arguments, ops/dispatch.py) and still compute their own values."""
