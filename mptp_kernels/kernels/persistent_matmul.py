@@ -765,10 +765,29 @@ _ORDERS = {}
 _ERR = {}
 
 
+def _constant(cache, key, device, make):
+    """A small device tensor that launches read (a chunk order, a zeroed error record), made once
+    per key and kept. NOTE: it is made on the current stream, which is then synchronized once: a
+    launch on another stream must never read it before it is written (a stream behind a long
+    kernel would make it late). Under CUDA-graph capture it is made per call and not kept: the
+    graph fills it only when replayed, and an eager launch before the first replay would read
+    unwritten memory."""
+    t = cache.get(key)
+    if t is None:
+        d = torch.device(device)
+        if d.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return make()
+        t = make()
+        if d.type == "cuda":
+            torch.cuda.current_stream(d).synchronize()
+        cache[key] = t
+    return t
+
+
 def _identity_order(device, n):
-    order = _ORDERS.get((device, n))
+    order = _ORDERS.get((device, n))  # hot path
     if order is None:
-        order = _ORDERS[(device, n)] = torch.arange(n, device=device, dtype=torch.int32)
+        order = _constant(_ORDERS, (device, n), device, lambda: torch.arange(n, device=device, dtype=torch.int32))
     return order
 
 
@@ -792,9 +811,7 @@ def default_error_record(device) -> torch.Tensor:
         d = torch.device(device)
         if d.type == "cuda" and d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
-        err = _ERR.get(d)
-        if err is None:
-            err = _ERR[d] = torch.zeros(6, device=d, dtype=torch.int32)
+        err = _constant(_ERR, d, d, lambda: torch.zeros(6, device=d, dtype=torch.int32))
     return err
 
 
@@ -1342,6 +1359,10 @@ def _memo_record(memo, done, adesc, bdesc, cdesc, sk_mode, sms, c, M, N, A, B, C
     """Keeps a direct launch's bound arguments for later calls of its key (see _MEMO)."""
     kernel, grid3, call, cvals, device_index = done
     mkey, outs_given, out_dtype, poison, err, held = memo
+    if A.is_cuda and torch.cuda.is_current_stream_capturing():
+        # NOTE: not kept: a captured launch may take per-call constants (_constant), memory the
+        # graph owns and fills only on replay; eager launches of its key take the full path.
+        return
     call = list(call)
     if not all(type(call[i]) is int for i in _TENSOR_SLOTS):  # addresses only: the entry holds no tensor
         return

@@ -1975,3 +1975,75 @@ def test_the_launch_memo_on_a_gpu(monkeypatch, kind):
         err = ((C.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (kind, it, err)
     assert sum(h is not None for h in hits) >= 2, f"the memo served {hits}"
+
+
+def test_launch_constants_are_kept_only_once_written(monkeypatch):
+    """The chunk order and the default error record that launches read (pm._constant): kept after
+    a synchronize of the stream that made them (another stream must not read them unwritten);
+    under CUDA-graph capture made per call and not kept, and no launch memo entry is recorded
+    there (its addresses would be the graph's). CPU stand-ins for the CUDA calls."""
+    synced, capturing = [], [False]
+
+    class _Stream:
+        def synchronize(self):
+            synced.append(1)
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    cache = {}
+    made = []
+
+    def make():
+        made.append(torch.zeros(6, dtype=torch.int32))
+        return made[-1]
+
+    capturing[0] = True
+    a, b = pm._constant(cache, "k", "cuda:0", make), pm._constant(cache, "k", "cuda:0", make)
+    assert a is not b and not cache and not synced
+    capturing[0] = False
+    c = pm._constant(cache, "k", "cuda:0", make)
+    assert cache == {"k": c} and synced == [1]
+    assert pm._constant(cache, "k", "cuda:0", make) is c and len(made) == 3 and synced == [1]
+    assert pm._constant(cache, "cpu", "cpu", make) is cache["cpu"] and synced == [1]  # no stream on the CPU
+    # The launch memo: nothing recorded under capture.
+    monkeypatch.setattr(pm, "_MEMO", {})
+    capturing[0] = True
+    A = type("A", (), {"is_cuda": True})()
+    pm._memo_record(("key", False, None, False, None, None), (None, None, (), (), 0), None, None, None, None, 0, 0,
+                    1, 1, A, None, None)  # fmt: skip
+    assert pm._MEMO == {}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU: CUDA graphs")
+def test_first_launch_inside_a_capture_then_eager_before_any_replay(monkeypatch):
+    """The first launch of a process inside a CUDA-graph capture, then eager launches before the
+    graph ever replays: the constants the capture made (chunk order, error record) are filled
+    only by a replay, so eager launches must not take them (nor a memo entry made in capture)."""
+    monkeypatch.setattr(pm, "_ORDERS", {})
+    monkeypatch.setattr(pm, "_ERR", {})
+    monkeypatch.setattr(pm, "_MEMO", {})
+    M, N, K = 512, 384, 256
+    A, (B,) = _inputs(M, K, (N,), torch.float16, SEED)
+    pm.persistent_matmul(torch.zeros(64, K, device=DEV, dtype=torch.float16), [B])  # compile, not the constants' key
+    monkeypatch.setattr(pm, "_ORDERS", {})
+    monkeypatch.setattr(pm, "_ERR", {})
+    monkeypatch.setattr(pm, "_MEMO", {})
+    junk = torch.full((1 << 20,), -1, device=DEV, dtype=torch.int32)  # reused memory holds nonzero words
+    del junk
+    static_A = A.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        (C,) = pm.persistent_matmul(static_A, [B])
+    torch.cuda.current_stream().wait_stream(s)
+    ref = A.double() @ B.double()
+    peer = (A.float() @ B.float()).half()
+    for _ in range(2):
+        (E,) = pm.persistent_matmul(A, [B])  # eager, before any replay
+        torch.cuda.synchronize()
+        assert_matmul_close(E, ref, peer, k=2.0, atol=1e-5, what="eager before the first replay")
+    C.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_matmul_close(C, ref, peer, k=2.0, atol=1e-5, what="replay")
