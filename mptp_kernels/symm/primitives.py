@@ -538,10 +538,7 @@ class SymmetricMemory:
         self.__dict__.pop("_views", None)
         self.__dict__.pop("_ag_args", None)
         self.last_call = None
-        try:
-            self._destroy_events()
-        except Exception:  # noqa: BLE001 - a dead context (the job is ending): nothing to release
-            pass
+        self._destroy_events()
         if self.rendezvous is not None:
             self.rendezvous.close()
 
