@@ -400,6 +400,21 @@ int copy(const Driver* drv, cudaStream_t s, void* dst, const void* src, size_t b
   return 0;
 }
 
+// A flag write ordered after the stream's earlier work (a memop: no kernel, no SM).
+int write_flag(const Driver* drv, void* stream, uint32_t* flag, uint32_t value) {
+  int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(flag), value, kWriteDefault);
+  MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
+  return 0;
+}
+
+// `to` waits for everything queued on `from` so far, through `event`.
+int join_streams(void* event, void* from, void* to) {
+  auto e = static_cast<cudaEvent_t>(event);
+  MPTP_CUDA_CHECK(cudaEventRecord(e, static_cast<cudaStream_t>(from)));
+  MPTP_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(to), e, 0));
+  return 0;
+}
+
 }  // namespace
 
 int ce_copies(void* stream) {
@@ -420,11 +435,7 @@ int pull_chunks(void* stream, void* const* dsts, const void* const* srcs, const 
   bool ce = use_ce != 0 && ce_copies(stream) == 1;
   for (int i = 0; i < n; ++i) {
     if (bytes[i] > 0) MPTP_TRY(copy(drv, s, dsts[i], srcs[i], bytes[i], ce));
-    if (flags[i] != nullptr) {
-      int rc = drv->stream_write_value32(stream, reinterpret_cast<uint64_t>(flags[i]), value,
-                                         kWriteDefault);
-      MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
-    }
+    if (flags[i] != nullptr) MPTP_TRY(write_flag(drv, stream, flags[i], value));
   }
   return 0;
 }
@@ -459,8 +470,7 @@ int ag_begin(const AgBeginArgs* a) {
                                       latch, a->own_flag);
   MPTP_CUDA_CHECK(cudaGetLastError());
   // side: after main's READY, pull every peer's chunk (its scales first), then DONE.
-  MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a->fork), m));
-  MPTP_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a->fork), 0));
+  MPTP_TRY(join_streams(a->fork, a->main, a->side));
   bool ce = a->use_ce != 0 && ce_copies(a->side) == 1;
   auto at = [](uint64_t p) { return reinterpret_cast<void*>(p); };
   if (a->nscale) {
@@ -471,15 +481,12 @@ int ag_begin(const AgBeginArgs* a) {
       MPTP_TRY(copy(drv, s, at(a->scale_base + a->peers[i] * a->scale_bytes), src,
                     a->scale_bytes, ce));
     }
-    MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a->scales_in), s));
-    MPTP_CUDA_CHECK(cudaStreamWaitEvent(m, static_cast<cudaEvent_t>(a->scales_in), 0));
+    MPTP_TRY(join_streams(a->scales_in, a->side, a->main));
   }
   for (int i = 0; i < a->npull; ++i) {
     MPTP_TRY(copy(drv, s, at(a->full_base + a->peers[i] * a->chunk_bytes), a->pull_src[i],
                   a->chunk_bytes, ce));
-    int rc = drv->stream_write_value32(a->side, reinterpret_cast<uint64_t>(a->pull_flag[i]), 1,
-                                       kWriteDefault);
-    MPTP_CHECK(rc == 0, "cuStreamWriteValue32 failed with CUresult " + std::to_string(rc));
+    MPTP_TRY(write_flag(drv, a->side, a->pull_flag[i], 1));
   }
   signal_kernel<<<1, 32, 0, s>>>(a->done_sig, W, latch);
   MPTP_CUDA_CHECK(cudaGetLastError());
@@ -488,9 +495,7 @@ int ag_begin(const AgBeginArgs* a) {
 
 int ag_end(void* main, void* side, void* join, void* const* ptrs, const size_t* bytes, int n,
            uint32_t* flags, int nflags, const void* err) {
-  MPTP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(join), static_cast<cudaStream_t>(side)));
-  MPTP_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main),
-                                      static_cast<cudaEvent_t>(join), 0));
+  MPTP_TRY(join_streams(join, side, main));
   return finish(main, ptrs, bytes, n, flags, nflags, err);
 }
 
