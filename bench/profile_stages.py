@@ -74,8 +74,9 @@ STAGES = [
 
 
 def loopback_ops(W: int, M: int = 8192, N: int = 4096, K: int = 1792):
-    """(group name, {name: one call}) of the three profiled ops on a new loopback group of W:
-    bf16 all-gather-matmul, FP8 row-wise all-gather-matmul, bf16 matmul-reduce-scatter."""
+    """(group name, {name: one call}) of the four profiled ops on a new loopback group of W:
+    bf16 all-gather-matmul, FP8 row-wise all-gather-matmul, bf16 matmul-reduce-scatter, FP8
+    row-wise matmul-reduce-scatter (bf16 out, fast accumulation)."""
     g = init_loopback_group(W)
     A = torch.randn(M // W, K, device="cuda").bfloat16()
     A_rs = torch.randn(M, K, device="cuda").bfloat16()
@@ -84,11 +85,15 @@ def loopback_ops(W: int, M: int = 8192, N: int = 4096, K: int = 1792):
     B8 = B.float().t().contiguous().to(torch.float8_e4m3fn).t()
     sa = torch.rand(M // W, 1, device="cuda") + 0.5
     sb = torch.rand(1, N, device="cuda") + 0.5
+    A8_rs = A_rs.float().to(torch.float8_e4m3fn)
+    sa_rs = torch.rand(M, 1, device="cuda") + 0.5
     return g, {
         "all_gather_matmul bf16": lambda: torch.ops.mptp.fused_all_gather_matmul(A, [B], 0, g),
         "all_gather_scaled_matmul fp8 row": lambda: torch.ops.mptp.fused_all_gather_scaled_matmul(
             A8, [B8], sa, [sb], 0, g, [None], [None], [torch.bfloat16], [True]),
         "matmul_reduce_scatter bf16": lambda: torch.ops.mptp.fused_matmul_reduce_scatter(A_rs, B, "sum", 0, g),
+        "scaled_matmul_reduce_scatter fp8 row": lambda: torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+            A8_rs, B8, sa_rs, sb, "sum", 0, 0, g, [M, N], out_dtype=torch.bfloat16, use_fast_accum=True),
     }  # fmt: skip
 
 

@@ -5,7 +5,7 @@
 # the real ops in loopback (bench_*.py --mode loopback-op). Each step gets at most its own limit
 # and what is left of the budget; BENCH=0 runs the tests only. Everything is packed into
 # $OUT/all.tgz (the device tool returns at most 8 files). Host cost per launch and op: profile_host.py;
-# STAGES=0 skips the stage profiles; HOST=0 the host profile; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
+# STAGES=0 skips the stage profiles, py-spy and the floors (STAGE_PROFILES=0: the stage profiles only); HOST=0 the host profile; PM=1 adds the persistent matmul against cuBLAS (PM_MS, default 4096,8192); LOOPBACK=0 stops before
 # the cost-model check (COST_ARGS: its extra arguments) and the loopback ops.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
@@ -28,8 +28,10 @@ if [ "${HOST:-1}" = 1 ]; then  # HOST=0 skips the host-cost profile
   head -24 "$OUT/bench/profile_host.txt"
 fi
 if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
-  step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
-  grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+  if [ "${STAGE_PROFILES:-1}" = 1 ]; then  # STAGE_PROFILES=0: py-spy and the floors only
+    step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
+    grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
+  fi
   if [ -x .whl/py-spy ]; then  # where the host time goes, line by line (bench/spy_loop.py); .whl is carried
     for c in ${SPY:-"ag:fused"}; do set -- ${c/:/ }
       step "spy_$1_$2" 50 "spy_$1_$2.log" .whl/py-spy record --nonblocking -r 200 -f raw -o "$OUT/bench/spy_$1_$2.txt" -- \
@@ -37,13 +39,13 @@ if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
       tail -2 "$OUT/bench/spy_$1_$2.log"
     done
   fi
-  step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
+  [ "${STAGE_PROFILES:-1}" = 1 ] && step stages_w2 45 profile_stages_w2.txt python3 bench/profile_stages.py --W 2 --calls 200
   # The floor: each op's recorded driver calls replayed alone, beside the op (W = 2 and 8).
   for w in 2 8; do
-    MPTP_TIMEOUT_S=10 step "floor_w$w" 60 "profile_floor_w$w.txt" python3 bench/profile_floor.py --W "$w" --calls 200
+    MPTP_TIMEOUT_S=10 step "floor_w$w" ${FLOOR_S:-60} "profile_floor_w$w.txt" python3 bench/profile_floor.py --W "$w" --calls 200
     grep -v "^\[rank" "$OUT/bench/profile_floor_w$w.txt" | tail -4
   done
-  grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
+  [ -f "$OUT/bench/profile_stages_w2.txt" ] && grep -v "^\[rank" "$OUT/bench/profile_stages_w2.txt" | grep "path:"
 fi
 if [ "${PM:-0}" = 1 ]; then  # the persistent matmul against cuBLAS, eager and from CUDA graphs
   [ "${DIAG:-1}" = 1 ] && step diag 90 diag_stream_k.txt python3 bench/diag_stream_k.py; cat "$OUT/bench/diag_stream_k.txt" | tail -6
