@@ -721,15 +721,22 @@ def test_compiled_code_issues_the_fused_op_where_the_collective_was(pg1, case):
         return h.sum() + z.sum()
 
     def all_reduce_before_rs(x, B, y):
-        z = funcol.all_reduce(y.sin() * 3, "sum", g)  # large temporary, live until the all_reduce
+        z = funcol.all_reduce((y.sin() * 3).round(), "sum", g)  # large temporary, live until the all_reduce
         out = funcol.reduce_scatter_tensor(x @ B, "sum", 0, g)
         return z.sum() + out.sum()
 
+    # NOTE: integer values (-1, 0, 1): every product and partial sum is an integer far below 2**24,
+    # so fp32 computes both results exactly in any summation order, and they must be equal. With
+    # randn, fp32 sums of 1e5-1e6 terms in two orders differed by 0.014 on a total that cancels
+    # to about 3 (a CI run failed a fixed 1e-2 bound).
+    def ints(*shape):
+        return torch.randint(-1, 2, shape).float()
+
     if case == "ag_before_all_reduce":
-        fn, args = ag_before_all_reduce, (torch.randn(64, 256), torch.randn(256, 4096), torch.randn(64, 256))
+        fn, args = ag_before_all_reduce, (ints(64, 256), ints(256, 4096), ints(64, 256))
         want = ["torch.ops.mptp.fused_all_gather_matmul.default", "torch.ops._c10d_functional.all_reduce_.default"]
     else:
-        fn, args = all_reduce_before_rs, (torch.randn(64, 512), torch.randn(512, 64), torch.randn(1 << 18))
+        fn, args = all_reduce_before_rs, (ints(64, 512), ints(512, 64), torch.randn(1 << 18))
         want = ["torch.ops._c10d_functional.all_reduce_.default", "torch.ops.mptp.fused_matmul_reduce_scatter.default"]
     torch._dynamo.reset()
     fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
@@ -737,4 +744,4 @@ def test_compiled_code_issues_the_fused_op_where_the_collective_was(pg1, case):
         out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
     torch._dynamo.reset()
     assert _code_issue_order(code[0]) == want, _code_issue_order(code[0])
-    torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-2)  # fp32 sums of 1e5-1e6 terms
+    torch.testing.assert_close(out, fn(*args), rtol=0, atol=0)  # exact: see ints() above
