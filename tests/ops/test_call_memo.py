@@ -124,7 +124,14 @@ def test_scaled_reduce_scatter_hits_with_new_scales(pg1):
         out = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, sa, sb, "sum", 0, 0, pg1, None, None, None,
                                                                torch.float32, False)  # fmt: skip
         want = (A.double() @ B.double()) * sa.double() * sb.double()
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        # NOTE: a bound from the magnitudes, not a fixed 1e-5: the fp32 result (scales applied in
+        # torch's CPU kernel, products summed in its order) is off by up to a few eps of
+        # sum |a||b| * sa * sb, and where the 16 products cancel that exceeded 1e-5 (0.2% of
+        # draws). K + 2 roundings, times 2; a stale scale is ~10% off, far outside it.
+        mag = (A.double().abs() @ B.double().abs()) * sa.double() * sb.double()
+        bound = 2 * (16 + 2) * torch.finfo(torch.float32).eps * mag + 1e-30
+        err = (out.double() - want).abs()
+        assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.3g}"
     assert _delta(before)["hit"] == 1
 
 
