@@ -27,7 +27,7 @@ if [ "${HOST:-1}" = 1 ]; then  # HOST=0 skips the host-cost profile
   step host 60 profile_host.txt python3 bench/profile_host.py --calls 300
   head -24 "$OUT/bench/profile_host.txt"
 fi
-if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles and py-spy
+if [ "${STAGES:-1}" = 1 ]; then  # STAGES=0 skips the stage profiles, py-spy and the floors
   if [ "${STAGE_PROFILES:-1}" = 1 ]; then  # STAGE_PROFILES=0: py-spy and the floors only
     step stages 60 profile_stages.txt python3 bench/profile_stages.py --calls 300
     grep -v "^\[rank" "$OUT/bench/profile_stages.txt" | head -150
