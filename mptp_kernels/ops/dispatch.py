@@ -131,11 +131,8 @@ def describe(name: str, args, kwargs, W: int) -> Call:
         out_dtype = validate.scaled_out_dtype(out_dtype) or A.dtype
         out_shape = list(output_shape) if output_shape is not None else [*A.shape[:-1], B.shape[1]]
         rows = math.prod(A.shape[:-1])  # NOTE: not A.numel() // K, which is 0 when K == 0
-        if math.prod(out_shape) != rows * B.shape[1] or out_shape[-1] != B.shape[1]:
-            raise ValueError(
-                f"output_shape: expected {B.shape[1]} last and {rows * B.shape[1]} "
-                f"elements in all (A's rows x B's columns), got {out_shape}"
-            )
+        validate.check_output_shape(out_shape, rows, B.shape[1])
+        validate.scatter_dim_after_reshape(args[6], A)
         sd = validate.norm_dim(orig_sd, len(out_shape), "orig_scatter_dim")
         validate.check_divisible(out_shape, sd, W, "orig_scatter_dim")
         must = [("out.dtype", dtype_code(out_dtype)), ("scatter_dim", sd)] + shape_fields("out", out_shape)

@@ -200,8 +200,8 @@ def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=No
         y = y + bias.float()
     if not fp8_out:
         return y.to(want)
-    if result_scale is not None:
-        y = y * result_scale.float()
+    if result_scale is not None:  # one element of any shape (validated): a scalar, not a broadcast
+        y = y * result_scale.float().reshape(())
     fmax = torch.finfo(want).max
     return y.clamp(-fmax, fmax).to(want)
 
@@ -298,6 +298,8 @@ def scaled_matmul_reduce_scatter(
     if output_shape is None:
         output_shape = [*A.shape[:-1], B.shape[1]]
     output_shape = validate.resolve_output_shape(output_shape, math.prod(A.shape[:-1]), B.shape[1])
+    validate.check_output_shape(output_shape, math.prod(A.shape[:-1]), B.shape[1])
+    validate.scatter_dim_after_reshape(scatter_dim_after_maybe_reshape, A)
     orig_scatter_dim = validate.norm_dim(orig_scatter_dim, len(output_shape), "orig_scatter_dim")
     validate.check_divisible(output_shape, orig_scatter_dim, W, "orig_scatter_dim")
     if A_scale.numel() > 1:

@@ -79,6 +79,29 @@ def resolve_output_shape(output_shape, rows: int, N: int) -> list:
     return lead + shape[-1:]
 
 
+def check_output_shape(shape, rows, N) -> None:
+    """The scaled reduce-scatter's output_shape (after resolve_output_shape): sizes >= 0, N
+    last, A's rows x N elements in all (what view() would need, refused before communicating).
+    Symbolic sizes are left to view()."""
+    ints = [d for d in shape if type(d) is int]
+    if not shape or any(d < 0 for d in ints):
+        raise ValueError(f"output_shape: expected sizes >= 0 (one leading -1 at most, resolved "
+                         f"from A's rows), got {list(shape)}")  # fmt: skip
+    if math.prod(shape) != rows * N or shape[-1] != N:
+        raise ValueError(
+            f"output_shape: expected {N} last and {rows * N} elements in all "
+            f"(A's rows x B's columns), got {list(shape)}"
+        )
+
+
+def scatter_dim_after_reshape(dim, A) -> None:
+    """scatter_dim_after_maybe_reshape: a dim of A (as torch's CUDA op requires). The output's
+    layout comes from orig_scatter_dim and output_shape; this dim is only checked."""
+    if type(dim) is not int or not -A.dim() <= dim < A.dim():
+        raise ValueError(f"scatter_dim_after_maybe_reshape: expected a dim of A in [{-A.dim()}, "
+                         f"{A.dim()}), got {dim!r}")  # fmt: skip
+
+
 def norm_dim(dim: int, ndim: int, arg: str) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{arg}: expected a dim in [{-ndim}, {ndim}), got {dim}")
@@ -178,6 +201,8 @@ def all_gather_matmul(A, Bs: Sequence, gather_dim: int, group_name: str, scaled:
     _check_A(A)
     W = group_size(group_name)
     gather_dim = norm_dim(gather_dim, A.dim(), "gather_dim")
+    if scaled and gather_dim == A.dim() - 1:
+        raise ValueError(f"gather_dim: the scaled op cannot gather the last (K) dim, got {gather_dim}")
     k = A.shape[-1] * (W if gather_dim == A.dim() - 1 else 1)
     for i, B in enumerate(Bs):
         _check_matmul_operands(A, B, f"Bs[{i}]", k, same_dtype=not scaled)
@@ -210,11 +235,7 @@ def all_gather_scaled_lists(
         _check_device(f"B_scales[{i}]", B_scales[i], A.device)
         _check_device(f"biases[{i}]", biases[i], A.device)
         _check_device(f"result_scales[{i}]", result_scales[i], A.device)
-    if gather_dim == A.dim() - 1:
-        raise ValueError(
-            f"gather_dim: the scaled op cannot gather the last (K) dim, got {gather_dim}"
-        )
-    for i in range(n):
+    for i in range(n):  # (a K gather_dim was refused by all_gather_matmul)
         _check_epilogue(f"[{i}]", Bs[i].shape[1], B_scales[i], biases[i], result_scales[i], lists=True)
     mode = scale_mode(A, A_scale, gather_dim, W)
     # The A_scale that reaches _scaled_mm: the gathered one when row-wise sharded.

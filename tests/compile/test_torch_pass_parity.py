@@ -491,21 +491,23 @@ def test_fusion_without_deprecated_enable(pg1):
         assert "not enabled" in decisions[0].detail
 
 
-def test_no_all_gathers_or_reduce_scatters(fake2):
+def test_no_all_gathers_or_reduce_scatters(fake2, caplog):
     def f(x, w):
         return torch.relu(x @ w), (x * 2).sum()
 
     gm = _post_grad_fx(f, torch.rand(8, 16), torch.rand(16, 4))
     code = gm.code
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing to fuse is not "fused none of N"
+    with warnings.catch_warnings(), caplog.at_level("WARNING", "mptp_kernels"):
+        warnings.simplefilter("error")
         assert micro_pipeline_pass(gm.graph) == 0
+    assert not any("fused none" in r.getMessage() for r in caplog.records)  # nothing to fuse is not "fused none of N"
     gm.recompile()
     assert gm.code == code
 
 
-def test_unsuccessful_fusion(fake2):
-    """Collectives the pass cannot fuse: the graph's code is untouched and it says so."""
+def test_unsuccessful_fusion(fake2, caplog):
+    """Collectives the pass cannot fuse: the graph's code is untouched and it says so, in the
+    log: a warning would fail the compile of a valid program under -W error."""
 
     def f(x, w, b):
         A = _ag(x, 0, fake2)
@@ -516,8 +518,10 @@ def test_unsuccessful_fusion(fake2):
     theirs = _torch_pass(_post_grad_fx(f, *args))
     gm = _post_grad_fx(f, *args)
     code = gm.code
-    with recording([]) as decisions, pytest.warns(UserWarning, match="fused none of 2"):
+    with recording([]) as decisions, warnings.catch_warnings(), caplog.at_level("WARNING", "mptp_kernels"):
+        warnings.simplefilter("error")
         assert micro_pipeline_pass(gm.graph) == 0
+    assert any("fused none of 2" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     gm.recompile()
     assert theirs == [] and gm.code == code
     assert [d.fused for d in decisions] == [False, False]

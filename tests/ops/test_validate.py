@@ -31,6 +31,14 @@ def _ags(A_scale_shape=(1,), n_lists=1, gather_dim=0, B_scales_device="cpu"):
     )  # fmt: skip
 
 
+def _srs(output_shape=None, sd_after=0):
+    A = torch.zeros(4, 16).to(FP8)
+    B = torch.zeros(8, 16).to(FP8).t()
+    one = torch.ones(())
+    return torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, one, one, "sum", 0, sd_after, _g(), output_shape,
+                                                             out_dtype=torch.float32)  # fmt: skip
+
+
 CASES = {
     "A_1d": (lambda: _ag(torch.zeros(8), [torch.zeros(8, 4)]), "A:"),
     "B_not_2d": (lambda: _ag(torch.zeros(4, 8), [torch.zeros(8, 4, 1)]), "Bs[0]:"),
@@ -45,6 +53,12 @@ CASES = {
     "rs_scatter_dim_range": (lambda: _rs(torch.zeros(4, 8), torch.zeros(8, 4), scatter_dim=-3), "scatter_dim:"),
     "rs_not_divisible": (lambda: _rs(torch.zeros(5, 8), torch.zeros(8, 4)), "scatter_dim:"),
     "rs_K_mismatch": (lambda: _rs(torch.zeros(4, 8), torch.zeros(7, 4)), "B:"),
+    "scaled_gather_K": (lambda: _ags(gather_dim=-1), "gather_dim:"),
+    "srs_output_shape_negative": (lambda: _srs([-2, -2, 8]), "output_shape:"),
+    "srs_output_shape_two_minus_ones": (lambda: _srs([-1, -1, 8]), "output_shape:"),
+    "srs_output_shape_elements": (lambda: _srs([3, 8]), "output_shape:"),
+    "srs_scatter_dim_after_range": (lambda: _srs(sd_after=7), "scatter_dim_after_maybe_reshape:"),
+    "srs_scatter_dim_after_negative": (lambda: _srs(sd_after=-3), "scatter_dim_after_maybe_reshape:"),
     "rs_A_1d": (lambda: _rs(torch.zeros(8), torch.zeros(8, 4)), "A:"),
 }  # fmt: skip
 
@@ -264,3 +278,31 @@ def test_scaled_reduce_scatter_output_shape_with_two_minus_ones_is_refused(pg1):
     with pytest.raises(ValueError, match="output_shape"):
         torch.ops.mptp.fused_scaled_matmul_reduce_scatter(A, B, torch.tensor(1.0), torch.tensor(1.0), "sum", 0, 0,
                                                           pg1, [-1, -1, 8], out_dtype=torch.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("rs_shape", [(), (1,), (1, 1), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("lead", [(8,), (2, 4)], ids=str)
+def test_a_one_element_result_scale_of_any_shape_scales_the_fp8_output(pg1, rs_shape, lead):
+    """torch._scaled_mm takes a one-element scale_result of any shape; the reference applied a
+    [1, 1, 1] one as a broadcast ([M, N] -> [1, M, N]) and failed after the all-gather (and on
+    that rank only, where the peers passed a 0-d one). Integer inputs and power-of-two scales:
+    every product, sum and scaling is exact, so the FP8 outputs equal the float64 reference's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    A = torch.randint(-2, 3, (*lead, 16)).to(FP8)
+    B = torch.randint(-2, 3, (8, 16)).to(FP8).t()
+    sa, sb, rs = torch.tensor(0.5), torch.tensor(2.0), torch.full(rs_shape, 0.25)
+    want = ((A.double() @ B.double()) * 0.5 * 2.0 * 0.25).to(FP8).double()
+    for out_dtype in (FP8, None):
+        _, (ag,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
+            A, [B], sa, [sb], 0, pg1, [None], [rs], [out_dtype], [False])  # fmt: skip
+        srs = torch.ops.mptp.fused_scaled_matmul_reduce_scatter(
+            A, B, sa, sb, "sum", 0, 0, pg1, [*lead, 8], result_scale=rs, out_dtype=out_dtype)  # fmt: skip
+        for out in (ag, srs):
+            assert out.dtype == FP8 and out.shape == want.shape
+            assert torch.equal(out.double(), want)
+    with FakeTensorMode() as m:
+        f = m.from_tensor
+        _, (fo,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
+            f(A), [f(B)], f(sa), [f(sb)], 0, pg1, [None], [f(rs)], [FP8], [False])  # fmt: skip
+    assert fo.shape == want.shape and fo.dtype == FP8
