@@ -22,9 +22,9 @@ Without DTensor, ColumnParallelLinear and RowParallelLinear take and return
 plain local tensors.
 """
 
+import functools
 import math
 from dataclasses import dataclass
-from types import MethodType
 from typing import Optional, Tuple, Union
 
 import torch
@@ -226,7 +226,7 @@ class FusedColwiseParallel(ColwiseParallel):
         module._mptp_tp = _Config(style, device_mesh, group_name, in_layout, self.output_layouts[0],
                                   self.use_local_output, in_layout.dim)  # fmt: skip
         module._distribute_module_applied = True
-        module.forward = MethodType(_colwise_forward, module)
+        module.forward = functools.partial(_colwise_forward, module)  # (a bound method of a function nn.Linear lacks does not unpickle)
         return module
 
 
@@ -242,6 +242,9 @@ class FusedRowwiseParallel(RowwiseParallel):
     With a replicated output (``output_layouts`` None or ``Replicate()``: an
     all-reduce, nothing to scatter) or on modules other than ``nn.Linear``, it behaves
     exactly like ``RowwiseParallel``.
+
+    The output's sharded dim must divide by the mesh size: otherwise a ValueError on every
+    rank, before any communication (``RowwiseParallel`` would shard it unevenly).
 
     Keyword Args:
         input_layouts: layout of a plain-tensor input (default ``Shard(-1)``).
@@ -259,7 +262,7 @@ class FusedRowwiseParallel(RowwiseParallel):
         module._mptp_tp = _Config(style, device_mesh, group_name, self.input_layouts[0], out_layout,
                                   self.use_local_output, out_layout.dim)  # fmt: skip
         module._distribute_module_applied = True
-        module.forward = MethodType(_rowwise_forward, module)
+        module.forward = functools.partial(_rowwise_forward, module)  # (a bound method of a function nn.Linear lacks does not unpickle)
         return module
 
 

@@ -66,7 +66,8 @@ def _refuse_forward_ad(name: str, args) -> None:
                 raise NotImplementedError(
                     f"mptp::{name} does not support forward-mode AD (torch.func.jvp, "
                     "torch.autograd.forward_ad): its output would carry no tangent. Use reverse mode "
-                    "(backward, torch.func.vjp / grad), or the unfused collective + matmul."
+                    "(.backward() or torch.autograd.grad; torch.func's transforms are not supported), "
+                    "or the unfused collective + matmul."
                 )
 
 
