@@ -82,9 +82,15 @@ def resolve_output_shape(output_shape, rows: int, N: int) -> list:
 def check_output_shape(shape, rows, N) -> None:
     """The scaled reduce-scatter's output_shape (after resolve_output_shape): sizes >= 0, N
     last, A's rows x N elements in all (what view() would need, refused before communicating).
-    Symbolic sizes are left to view()."""
-    ints = [d for d in shape if type(d) is int]
-    if not shape or any(d < 0 for d in ints):
+
+    NOTE: checked only where every size, A's rows and N are ints: a symbolic size (torch.compile
+    with dynamic shapes: the fake impl is the reference) is left to view(), which takes a -1
+    and would otherwise meet a comparison it cannot guard on (unbacked sizes)."""
+    if not shape:
+        raise ValueError("output_shape: expected at least one size (N last), got []")
+    if not all(type(d) is int for d in (*shape, rows, N)):
+        return
+    if any(d < 0 for d in shape):
         raise ValueError(f"output_shape: expected sizes >= 0 (one leading -1 at most, resolved "
                          f"from A's rows), got {list(shape)}")  # fmt: skip
     if math.prod(shape) != rows * N or shape[-1] != N:
@@ -95,8 +101,9 @@ def check_output_shape(shape, rows, N) -> None:
 
 
 def scatter_dim_after_reshape(dim, A) -> None:
-    """scatter_dim_after_maybe_reshape: a dim of A (as torch's CUDA op requires). The output's
-    layout comes from orig_scatter_dim and output_shape; this dim is only checked."""
+    """scatter_dim_after_maybe_reshape: a dim of A (torch's CUDA op requires 0 <= d < A.dim();
+    a negative one counts from the end here, as the ops' other dims). The output's layout
+    comes from orig_scatter_dim and output_shape; this dim is only checked."""
     if type(dim) is not int or not -A.dim() <= dim < A.dim():
         raise ValueError(f"scatter_dim_after_maybe_reshape: expected a dim of A in [{-A.dim()}, "
                          f"{A.dim()}), got {dim!r}")  # fmt: skip

@@ -78,7 +78,7 @@ def _run_case(name):
     import mptp_kernels
     from mptp_kernels.compile.micro_pipeline import recording
 
-    warnings.simplefilter("ignore")  # "fused none of ..."
+    warnings.simplefilter("ignore")
     mptp_kernels.enable_symm_mem_for_group(dist.group.WORLD.group_name)
     fn, (patch, _) = globals()[name], CASES[name]
     args = _args(name, dist.get_rank())

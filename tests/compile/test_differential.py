@@ -380,7 +380,7 @@ def _run_cases(cases, seed, hand=_OLD_FUNCOL):
     import mptp_kernels
 
     mptp_kernels.enable_symm_mem_for_group(group.group_name)
-    warnings.simplefilter("ignore")  # "fused none of ..." on the negative cases
+    warnings.simplefilter("ignore")
     built = [_build(c, group, W, rank, seed, hand=hand) for c in cases]
     fn = _batch_fn([f for f, _ in built], [len(a) for _, a in built])
     flat = [t for _, a in built for t in a]

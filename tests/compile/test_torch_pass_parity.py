@@ -705,7 +705,7 @@ def _compile(fn, *args, with_pass=True, **kwargs):
     torch._dynamo.reset()
     ctx = mptp_kernels.enable_micro_pipeline_tp() if with_pass else contextlib.nullcontext()
     with cfg.patch(fast), ctx, recording(decisions), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "fused none of ..."
+        warnings.simplefilter("ignore")
         out = torch.compile(fn, fullgraph=True, **kwargs)(*args)
     return out, decisions
 

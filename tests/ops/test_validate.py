@@ -306,3 +306,38 @@ def test_a_one_element_result_scale_of_any_shape_scales_the_fp8_output(pg1, rs_s
         _, (fo,) = torch.ops.mptp.fused_all_gather_scaled_matmul(
             f(A), [f(B)], f(sa), [f(sb)], 0, pg1, [None], [f(rs)], [FP8], [False])  # fmt: skip
     assert fo.shape == want.shape and fo.dtype == FP8
+
+
+def test_scaled_reduce_scatter_output_shape_checks_leave_symbolic_sizes_to_view(pg1):
+    """The fake impl is the reference, so torch.compile(dynamic=True) runs its output_shape
+    checks on symbolic sizes: a -1 beside symbolic ones, and unbacked rows (.item()), must
+    compile as view() takes them (a review found both refused once the checks compared sizes)."""
+    op = torch.ops.mptp.fused_scaled_matmul_reduce_scatter
+    B = torch.randint(-2, 3, (8, 16)).to(FP8).t()
+    one = torch.ones(())
+
+    def minus_one(x):  # [b, s, K] viewed 2-D, output_shape [-1, s, N]
+        A = x.reshape(-1, x.shape[-1])
+        return op(A, B, one, one, "sum", 0, 0, pg1, [-1, x.shape[1], 8], out_dtype=torch.float32)
+
+    def unbacked(x, n):
+        k = n.item()
+        torch._check(k >= 0)
+        return op(x[:k], B, one, one, "sum", 0, 0, pg1, [k, 8], out_dtype=torch.float32)
+
+    def ref(A):  # integer FP8 inputs, unit scales: exact in fp32 and float64
+        return (A.double().reshape(-1, 16) @ B.double()).float()
+
+    xs = [torch.randint(-2, 3, s).to(FP8) for s in ((2, 4, 16), (3, 4, 16), (4, 6, 16))]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        f = torch.compile(minus_one, fullgraph=True, dynamic=True, backend="aot_eager")
+        for x in xs:
+            out = f(x)
+            assert out.shape == (*x.shape[:2], 8) and torch.equal(out.reshape(-1, 8), ref(x))
+        g = torch.compile(unbacked, fullgraph=True, dynamic=True, backend="aot_eager")
+        x = xs[2].reshape(-1, 16)
+        for n in (4, 6, 0):
+            out = g(x, torch.tensor(n))
+            assert out.shape == (n, 8) and torch.equal(out, ref(x[:n]))
+    torch._dynamo.reset()
