@@ -66,7 +66,6 @@ def main():
                 dst[i * step:(i + 1) * step].copy_(src[i * step:(i + 1) * step])
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    main_s = torch.cuda.current_stream()
 
     def timed(fn):
         ts = []
@@ -83,20 +82,31 @@ def main():
         return statistics.median(ts)
 
     def both(copy):
-        def run():
-            s1.wait_stream(main_s)
-            s2.wait_stream(main_s)
+        def run():  # (the current stream: the capture's, under capture)
+            cur = torch.cuda.current_stream()
+            s1.wait_stream(cur)
+            s2.wait_stream(cur)
             with torch.cuda.stream(s2):
                 torch.mm(X, Y)
             copy(s1)
-            main_s.wait_stream(s1)
-            main_s.wait_stream(s2)
+            cur.wait_stream(s1)
+            cur.wait_stream(s2)
+
+        return run
+
+    def alone(copy):
+        def run():  # on a side stream: the batch API refuses the legacy default stream
+            cur = torch.cuda.current_stream()
+            s1.wait_stream(cur)
+            copy(s1)
+            cur.wait_stream(s1)
+
         return run
 
     def graph_of(fn):
         g = torch.cuda.CUDAGraph()
         cap = torch.cuda.Stream()
-        cap.wait_stream(main_s)
+        cap.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
         with torch.cuda.stream(cap):
             torch.mm(X, Y)  # warm cuBLAS's workspace on the capture stream
@@ -110,16 +120,18 @@ def main():
 
     res = {}
     res["mm"] = timed(lambda: torch.mm(X, Y))
-    res["copies batch, eager"] = timed(lambda: copies_batch(main_s))
-    print("batch return codes (eager):", sorted(set(rcs)))
-    res["copies plain, eager"] = timed(lambda: copies_plain(main_s))
+    res["copies batch, eager"] = timed(alone(copies_batch))
+    print("batch return codes, eager alone (0: CUDA_SUCCESS):", sorted(set(rcs)))
+    rcs.clear()
+    res["copies plain, eager"] = timed(alone(copies_plain))
     res["mm + batch, eager"] = timed(both(copies_batch))
+    print("batch return codes, eager beside the matmul:", sorted(set(rcs)))
     res["mm + plain, eager"] = timed(both(copies_plain))
     for kind, copy in (("batch", copies_batch), ("plain", copies_plain)):
         rcs.clear()
-        g, err = graph_of(lambda: copy(torch.cuda.current_stream()))
+        g, err = graph_of(alone(copy))
         print(f"capture of {kind} copies:", "ok" if g is not None else err, "rcs", sorted(set(rcs)))
-        if g is None:
+        if g is None or any(rcs):  # (a refused call leaves the capture empty, or invalid)
             continue
         src.random_(0, 255)
         dst.zero_()
