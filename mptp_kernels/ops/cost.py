@@ -20,9 +20,12 @@ torch 2.11): cuBLAS ran 688-737 TFLOP/s in bf16 and 1257-1358 in FP8 over the si
 shapes (per SM: 5.4e12 and 10.1e12 FLOP/s); the device-local chunk copies moved 1.5-1.6 TB/s.
 Host times, fixed costs and the shared-GPU behaviour: bench/results/h100_cost_model_47c8526.csv
 and h100_cost_model_plans_9134f4e.csv (H100, W = 8 loopback, M = 8192, both paths forced and
-timed in one run, twice) and the per-stage host profiles of 7f43c97 (W = 2 and 8).
-tests/ops/test_cost.py holds the model's picks on those runs and two earlier ones to at most 10%
-(CUDA graphs) and 30% (eager) slower than the faster path.
+timed in one run, twice), the per-stage host profiles of 7f43c97 (W = 2 and 8) and, for the
+fused path's host time, h100_profile_floor_90b1cc3.txt.
+tests/ops/test_cost.py holds the model's picks to at most 10% (CUDA graphs) and 30% (eager)
+slower than the faster path: from CUDA graphs on those runs and earlier ones; in eager on the
+run of the current code's host time (h100_cost_model_b936c3c.csv: the older runs' eager rows
+timed a fused path whose host time has since fallen by a third).
 Other GPUs scale the per-SM rate by their compute capability (RATE_SCALE). Nothing here is
 measured between GPUs (no machine with several GPUs was lent): the NVLink terms (BW_PEER and
 the overlap of transfers with the matmul) are the design's expectation, not a measurement.
@@ -64,19 +67,24 @@ BW_PEER = 350e9
 BW_MEMORY = 3.0e12
 # Host microseconds per call, eager: base + per_peer * (W - 1), times the FP8 factor for FP8 calls
 # (the scaled ops' extra launches, and on the reference path the row-wise scales' own gather).
-# Measured on the H100 host of 47c8526 (launch memo on): the host-bound eager rows (N = 768 and
-# 4096) of results/h100_cost_model_47c8526.csv at W = 8; the split into base and per-peer parts
-# keeps the W = 2 / W = 8 ratio of results/h100_profile_stages*_7f43c97.txt. The host is the CPU
-# of the GPU machine: other hosts differ (the same calls ran 1.4-2x slower on some), but both
-# paths scale alike, and the pick follows their ratio (fused / reference at W = 8: all-gather
-# 1.31 in bf16, 1.04 in FP8; reduce-scatter 0.98).
-HOST_FUSED = {"ag": (228.0, 16.5), "rs": (202.0, 7.0)}
+# Fused: refitted (session 20) to the current code (one C call for the all-gather's transfers,
+# the call memo): the medians of results/h100_profile_floor_90b1cc3.txt (H100 host, bursts from
+# an idle GPU; all-gather 218 / 237 us at W = 2 / 8, FP8 row-wise 283 / 322; reduce-scatter
+# 195 / 200, FP8 row-wise 243 / 249). Reference: the host-bound eager rows (N = 768 and 4096) of
+# results/h100_cost_model_47c8526.csv at W = 8, split into base and per-peer parts with the
+# W = 2 / W = 8 ratio of results/h100_profile_stages*_7f43c97.txt (that path has not changed
+# since). The host is the CPU of the GPU machine: other hosts differ (the same calls ran 1.4-2x
+# slower on some), but both paths scale alike and the pick follows their ratio. Checked on a
+# run with both paths timed on one host (results/h100_cost_model_b936c3c.csv, not fitted to):
+# host-bound eager rows at W = 8, fused / reference 223 / 244 us in bf16 (model 237 / 265),
+# ~330 / 432 in FP8 row-wise (model 315 / 469), reduce-scatter 184 / 230 (model 200 / 255).
+HOST_FUSED = {"ag": (215.0, 3.2), "rs": (194.0, 0.8)}
 HOST_REFERENCE_SYMM = {"ag": (101.0, 23.4), "rs": (166.0, 12.7)}
 HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
-HOST_FP8 = {"ag": {"fused": 1.41, "reference": 1.77},
-            # NOTE: not measured; its A is local (no scales' gather): the same factor for both
-            # paths, so that it does not bias the pick.
-            "rs": {"fused": 1.41, "reference": 1.41}}
+HOST_FP8 = {"ag": {"fused": 1.33, "reference": 1.77},
+            # NOTE: the reference's not measured; its A is local (no scales' gather): the fused
+            # path's factor, so that it does not bias the pick.
+            "rs": {"fused": 1.25, "reference": 1.25}}
 # Fixed GPU time of a call beyond its matmul and transfers, us, per op and FP8 or not: fused
 # (signals, flag reset, the chunk copies' own launches, the poison checks); reference (signals,
 # the layout copies; FP8: the scales' gather and casts). Fitted from CUDA graphs on the two H100

@@ -29,6 +29,12 @@ EARLIER = [os.path.join(RESULTS, f"h100_cost_model_{c}.csv") for c in ("7f43c97"
 RS_RECORD = os.path.join(RESULTS, "h200_cost_model_rs_00c978a.csv")
 # ... and on an H100 after the refit (8fb6b35, not fitted to).
 RS_AFTER = os.path.join(RESULTS, "h100_cost_model_rs_8fb6b35.csv")
+# The host times changed since those runs: the fused all-gather's transfers became one C call
+# (406ed43) and the call memo came (261ac37), so the fused path's eager host time fell from about
+# 343 us to 237 at W = 8 (results/h100_profile_floor_90b1cc3.txt). The model's fused host time was
+# refitted to that (session 20); this run, both ops and both paths timed on one host, is held for
+# every row, eager too (not fitted to). The older runs' eager rows timed the older code's host.
+CURRENT = os.path.join(RESULTS, "h100_cost_model_b936c3c.csv")
 LLAMA_TP8_NK = [(7168, 8192), (8192, 3584), (1280, 8192), (3584, 4096), (4096, 1792), (768, 4096)]
 H200 = dict(sms=132, capability=(9, 0))
 
@@ -49,7 +55,7 @@ def _record(path=RECORD):
 def _picks(path=RECORD, dtypes=("bf16", "fp8_row"), ops=None):
     """(case, mode, measured fused, measured reference, the model's pick) per row and mode; ops:
     the runs before the reduce-scatter's TMA producer hold their all-gather rows only."""
-    ops = ops or (("ag", "rs") if path in (RS_RECORD, RS_AFTER) else ("ag",))
+    ops = ops or (("ag", "rs") if path in (RS_RECORD, RS_AFTER, CURRENT) else ("ag",))
     out = []
     for (op, dtype, W, M, N, K), m in _record(path).items():
         if dtype not in dtypes or op not in ops:
@@ -64,43 +70,45 @@ def _picks(path=RECORD, dtypes=("bf16", "fp8_row"), ops=None):
     return out
 
 
-def test_the_model_picks_well_on_the_run_of_record():
-    """Every row of the runs of record (the all-gather in bf16 and FP8 row-wise, the
-    reduce-scatter in bf16; the six Llama-3 TP-8 shapes at M = 8192, eager and from CUDA graphs):
-    the path the model picks is at most 10% slower than the faster one from CUDA graphs, and at
-    most 30% in eager, where both paths are host-bound on most rows and the same call's host time
-    varies 20-30% between rows (and between hosts: the reduce-scatter's record ran on a host
-    where its fused eager call cost 1.2x its reference's, the model's host times 0.98x)."""
-    picks = _picks() + _picks(RS_RECORD)
+def test_the_model_picks_well_on_the_current_code():
+    """Every row of the run of the current code (the all-gather in bf16 and FP8 row-wise, the
+    reduce-scatter in bf16; the six Llama-3 TP-8 shapes at M = 8192, eager and from CUDA graphs;
+    not fitted to): the path the model picks is at most 10% slower than the faster one from CUDA
+    graphs, and at most 30% in eager, where both paths are host-bound on most rows and the same
+    call's host time varies 20-30% between rows. (Before the refit of the fused path's host
+    time, 14 of its 36 picks were the slower path, eager regrets up to 51%.)"""
+    picks = _picks(CURRENT)
     assert len(picks) == 36, len(picks)
-    bad = []
-    for case, mode, fused, ref, pick in picks:
-        regret = (fused if pick == "fused" else ref) / min(fused, ref) - 1
-        if regret > (0.10 if mode == "graph" else 0.30):
-            bad.append((case, mode, pick, fused, ref, round(regret, 3)))
-    assert not bad, bad
-
-
-def test_reduce_scatter_picks_hold_on_the_run_after_the_refit():
-    """The H100 run after the refit (8fb6b35, not fitted to): within 10% of the faster path from
-    CUDA graphs and 30% in eager."""
-    picks = _picks(RS_AFTER)
-    assert len(picks) == 12, len(picks)
     bad = [p for p in picks if _regret(*p[2:]) > (0.10 if p[1] == "graph" else 0.30)]
     assert not bad, bad
+    wrong = sum(_regret(*p[2:]) > 0 for p in picks)
+    assert wrong <= 7, wrong
+
+
+def _graph_picks_hold(picks, n):
+    assert len(picks) == n, len(picks)
+    bad = [p for p in picks if p[1] == "graph" and _regret(*p[2:]) > 0.10]
+    assert not bad, bad
+
+
+def test_graph_picks_hold_on_the_runs_of_record():
+    """From CUDA graphs (no host time) on the runs the GPU terms were fitted on: every pick
+    within 10% of the faster path."""
+    _graph_picks_hold(_picks() + _picks(RS_RECORD), 36)
+
+
+def test_reduce_scatter_graph_picks_hold_on_the_run_after_the_refit():
+    """The H100 run after the reduce-scatter's refit (8fb6b35, not fitted to), from CUDA graphs."""
+    _graph_picks_hold(_picks(RS_AFTER), 12)
 
 
 def _regret(fused, ref, pick):
     return (fused if pick == "fused" else ref) / min(fused, ref) - 1
 
 
-def test_bf16_picks_hold_on_the_run_before():
-    """The run before the record (same code for bf16, another machine): within 10% of the faster
-    path from CUDA graphs and 30% in eager."""
-    picks = _picks(BEFORE, dtypes=("bf16",))
-    assert len(picks) == 12, len(picks)
-    bad = [p for p in picks if _regret(*p[2:]) > (0.10 if p[1] == "graph" else 0.30)]
-    assert not bad, bad
+def test_bf16_graph_picks_hold_on_the_run_before():
+    """The run before the record (same GPU code for bf16, another machine), from CUDA graphs."""
+    _graph_picks_hold(_picks(BEFORE, dtypes=("bf16",)), 12)
 
 
 @pytest.mark.parametrize("path", EARLIER)
@@ -147,11 +155,18 @@ def test_graphs_over_nvlink_fuse_every_llama_shape(op, fp8):
 
 
 def test_eager_host_time_decides_small_calls():
-    """Eager: a call whose GPU time is far below the fused path's host time is not fused; a
-    call far above it is, where there is communication to hide."""
-    link = Link(8, shares_device=False, **H200)
-    assert not prefer_fused(Work("ag", 1024, 1024, 1024, 2, 2, False), link)[0]
-    assert prefer_fused(Work("ag", 65536, 8192, 28672, 2, 2, False), link)[0]
+    """Eager: a call whose GPU time is far below both paths' host times takes the path of the
+    lower host time: against NCCL's functional collectives (a reference of a few launches) the
+    reference; against the package's own transport, the fused path, whose host time is now the
+    lower (237 against 265 us modelled at W = 8; 223 against 244 measured, b936c3c). A call far
+    above them is fused where there is communication to hide."""
+    nccl = Link(8, shares_device=False, symm_reference=False, **H200)
+    symm = Link(8, shares_device=False, **H200)
+    tiny = Work("ag", 1024, 1024, 1024, 2, 2, False)
+    assert not prefer_fused(tiny, nccl)[0]
+    assert prefer_fused(tiny, symm)[0]
+    for link in (nccl, symm):
+        assert prefer_fused(Work("ag", 65536, 8192, 28672, 2, 2, False), link)[0]
 
 
 def test_estimates_grow_with_the_work():
