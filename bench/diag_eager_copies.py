@@ -26,7 +26,7 @@ from mptp_kernels.symm.loopback import init_loopback_group, mirror_loopback_buff
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--kinds", default="bf16,fp8_row")
+    p.add_argument("--kinds", default="bf16,fp8_row,fp8_tensor")
     p.add_argument("--Ms", default="8192")
     p.add_argument("--world-size", type=int, default=8)
     a = p.parse_args()
