@@ -475,13 +475,11 @@ int ag_begin(const AgBeginArgs* a) {
   auto at = [](uint64_t p) { return reinterpret_cast<void*>(p); };
   if (a->nscale) {
     // NOTE: the consumer waits for the scales (an event) before it is launched: it holds every
-    // SM and spins on chunk flags only, so nothing it waits for may queue behind it. So the
-    // scales' copies never compete with it for SMs, and they are plain copies: a few KB each,
-    // on the path to the consumer's launch, where a copy-engine copy's latency would delay it.
+    // SM and spins on chunk flags only, so nothing it waits for may queue behind it.
     for (int i = 0; i < a->npull; ++i) {
       const auto* src = static_cast<const unsigned char*>(a->pull_src[i]) + a->scale_src_off;
       MPTP_TRY(copy(drv, s, at(a->scale_base + a->peers[i] * a->scale_bytes), src,
-                    a->scale_bytes, false));
+                    a->scale_bytes, ce));
     }
     MPTP_TRY(join_streams(a->scales_in, a->side, a->main));
   }

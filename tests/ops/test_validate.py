@@ -227,6 +227,10 @@ def test_the_consumer_leaves_sms_to_copies_that_may_need_them(monkeypatch, share
     monkeypatch.setattr(pm, "sm_count", lambda dev: 132)
     ws = SimpleNamespace(shares_device=shares, side=None)
     assert fused._consumer_sms(ws, torch.device("cuda", 0)) == want
+    # A call that asks for no copy engine (the row-wise scaled all-gather) gets the full reserve,
+    # whatever the driver would grant.
+    plain = None if not shares else 132 - int(reserve)
+    assert fused._consumer_sms(ws, torch.device("cuda", 0), ce=False) == plain
 
 
 @pytest.mark.parametrize("value,gloo,nccl", [(None, False, False), ("auto", False, False), ("1", True, True),
