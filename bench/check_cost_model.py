@@ -63,7 +63,7 @@ def _case(op, group_name, W, M, N, K, kind):
         shard, shard_kw = ag_bench._shard(A, kw, 0, M // W)
         _, fn = ag_bench.op_call(group_name, shard, B, shard_kw)
         fp8 = kind != "bf16"
-        return fn, cost.Work("ag", M, K, N, 1 if fp8 else 2, 2, fp8)
+        return fn, cost.Work("ag", M, K, N, 1 if fp8 else 2, 2, fp8, ce_copies=kind != "fp8_row")
     A, B = rs_bench._inputs(M, N, K)
     _, fn = rs_bench.op_call(group_name, A, B)
     return fn, cost.Work("rs", M, K, N, 2, 2, False)
@@ -97,7 +97,7 @@ def main():
         t = {name: bench_us(f) for name, f in fns.items()}
         est = {}
         for capturing, sfx in ((False, ""), (True, "@graph")):
-            fu, re = cost.estimate(work, dispatch._link(ws, dev, W, capturing), capturing)
+            fu, re = cost.estimate(work, dispatch._link(ws, dev, W, capturing, work.ce_copies), capturing)
             est[sfx] = (fu, re)
         line = f"{op} {kind:8s} W={W} M={M:5d} N={N:5d} K={K:5d}"
         row_extra = {}

@@ -3,7 +3,8 @@
     python bench/diag_eager_copies.py [--kinds bf16,fp8_row] [--Ms 8192] [--world-size 8]
 
 In eager the fused all-gather asks for copy-engine copies (cuMemcpyBatchAsync with the
-prefer-overlap hint) and its consumer leaves 2 SMs free on a GPU its ranks share; with
+prefer-overlap hint) and its consumer leaves 2 SMs free on a GPU its ranks share (since af158e4
+not a call that gathers row-wise scales there: its "CE" column is then plain copies too); with
 MPTP_CE_COPIES=0 the copies are plain and the consumer leaves MPTP_RESERVE_SMS (8), as under
 CUDA-graph capture. For each Llama-3 TP-8 shape on a loopback group this times (median of
 do_bench) the fused path eager with CE copies, eager without, and from a CUDA graph, and the

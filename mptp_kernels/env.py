@@ -21,7 +21,8 @@ MPTP_ASYNC_ERROR_HANDLING  what the watchdog does after a timed-out wait: 0 the 
                      and the process aborts if none did within MPTP_TIMEOUT_S.
 MPTP_CE_COPIES       0: never ask for copy-engine chunk copies in the fused all-gather
                      (default 1: cuMemcpyBatchAsync with the prefer-overlap hint, where the
-                     driver has it and the stream is not capturing a CUDA graph).
+                     driver has it and the stream is not capturing a CUDA graph, except for a
+                     call that gathers row-wise scales on a GPU its ranks share).
 MPTP_RESERVE_SMS     SMs the all-gather consumer leaves free for chunk copies that may run as
                      kernels where a peer shares this GPU, 1 to 64 (default 8; at most 2 where
                      the copies asked for a copy engine).

@@ -18,7 +18,7 @@ for s in "${steps[@]}"; do
   t=$(( deadline - $(date +%s) - 5 )); [ "$t" -gt "$max" ] && t=$max
   if [ "$t" -lt 15 ]; then echo "== $name: skipped, no time left" | tee -a "$OUT/bench/steps.txt"; continue; fi
   echo "== $name (limit ${t}s): $cmd" | tee -a "$OUT/bench/steps.txt"
-  MPTP_RESULTS_DIR="$OUT/bench" timeout "$t" bash -c "$cmd" > "$OUT/bench/$name.txt" 2>&1
+  MPTP_RESULTS_DIR="$OUT/bench" timeout -k 10 "$t" bash -c "$cmd" > "$OUT/bench/$name.txt" 2>&1
   echo "== $name: exit $?" | tee -a "$OUT/bench/steps.txt"
   grep -v "^\[rank" "$OUT/bench/$name.txt" | tail -${TAIL:-12}
 done

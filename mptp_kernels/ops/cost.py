@@ -72,12 +72,18 @@ BW_MEMORY = 3.0e12
 # an idle GPU; all-gather 218 / 237 us at W = 2 / 8, FP8 row-wise 283 / 322; reduce-scatter
 # 195 / 200, FP8 row-wise 243 / 249). Reference: the host-bound eager rows (N = 768 and 4096) of
 # results/h100_cost_model_47c8526.csv at W = 8, split into base and per-peer parts with the
-# W = 2 / W = 8 ratio of results/h100_profile_stages*_7f43c97.txt (that path has not changed
-# since). The host is the CPU of the GPU machine: other hosts differ (the same calls ran 1.4-2x
-# slower on some), but both paths scale alike and the pick follows their ratio. Checked on a
-# run with both paths timed on one host (results/h100_cost_model_b936c3c.csv, not fitted to):
-# host-bound eager rows at W = 8, fused / reference 223 / 244 us in bf16 (model 237 / 265),
-# ~330 / 432 in FP8 row-wise (model 315 / 469), reduce-scatter 184 / 230 (model 200 / 255).
+# W = 2 / W = 8 ratio of results/h100_profile_stages*_7f43c97.txt. The host is the CPU of the GPU
+# machine: other hosts differ (the same calls ran 1.4-2x slower on some), but both paths scale
+# alike and the pick follows their ratio. Checked on a run with both paths timed on one host
+# (results/h100_cost_model_b936c3c.csv, not fitted to): host-bound eager rows at W = 8, fused /
+# reference 223 / 244 us in bf16 (model 237 / 265), ~330 / 432 in FP8 row-wise (model 315 / 469),
+# reduce-scatter 184 / 230 (model 200 / 255). NOTE: the reference's host time has fallen too since
+# 47c8526 (the call memo covers both paths): the model puts it 7-11% high, which leans eager picks
+# towards the fused path by about 20 us at W = 8. Refitted on those rows (80 + 23.4 (W - 1), 127 +
+# 12.7 (W - 1)) the picks got better on one run (34195eb) and worse on the other (b936c3c: one eager
+# pick 30% off), so it was left as it is. The per-peer parts were not re-measured on this code: the
+# W at which a tiny call starts to fuse (bf16 all-gather W >= 7, FP8 all-gather and reduce-scatter
+# W >= 4) rests on them.
 HOST_FUSED = {"ag": (215.0, 3.2), "rs": (194.0, 0.8)}
 HOST_REFERENCE_SYMM = {"ag": (101.0, 23.4), "rs": (166.0, 12.7)}
 HOST_REFERENCE_COLLECTIVE = {"ag": (60.0, 2.0), "rs": (60.0, 2.0)}
@@ -111,6 +117,10 @@ class Work:
     a_bytes: int
     out_bytes: int
     fp8: bool
+    # The all-gather's chunk copies may ask for a copy engine in eager (False: a call that gathers
+    # row-wise scales on a GPU its ranks share, fused._ag_run; its consumer then leaves the full
+    # SM reserve, dispatch._link).
+    ce_copies: bool = True
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,7 @@ def _workspace(group_name: str, device, need: int):
         return None, str(e)
 
 
-def _link(ws, device, W: int, capturing: bool) -> cost.Link:
+def _link(ws, device, W: int, capturing: bool, ce: bool = True) -> cost.Link:
     """What the cost model needs of this group's GPU and link (the same on every rank of a group
     of like GPUs; where they differ, the decision is still combined over ranks)."""
     from ..kernels import persistent_matmul as pm
@@ -194,7 +194,7 @@ def _link(ws, device, W: int, capturing: bool) -> cost.Link:
     elif shares:
         from . import fused
 
-        reserve = sms - fused._consumer_sms(ws, device)
+        reserve = sms - fused._consumer_sms(ws, device, ce)
     return cost.Link(W, sms, _capability(device.index if device.index is not None else torch.cuda.current_device()),
                      shares, reserve, symm_reference=ws is not None)  # fmt: skip
 
@@ -430,7 +430,8 @@ def _run(name: str, *args, **kwargs):
     if runner is not None and not env.force_fused():
         try:
             capturing = torch.cuda.is_current_stream_capturing()
-            fuse, cost_why = cost.prefer_fused(runner.work, _link(ws, A.device, W, capturing), capturing)
+            fuse, cost_why = cost.prefer_fused(runner.work, _link(ws, A.device, W, capturing, runner.work.ce_copies),
+                                                capturing)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - raised here, on one rank only, it would leave the peers waiting
             fuse, cost_why = False, f"the cost model failed ({type(e).__name__}: {e})"
         if not fuse:

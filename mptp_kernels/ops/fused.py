@@ -189,13 +189,15 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     a = _ag_args(ws)
     a.main = main_h
     a.timeout_ns = int(env.timeout_s() * 1e9)
-    # NOTE (issue 14): a call that gathers row-wise scales asks for no copy engine. Measured in
-    # eager (bench/diag_eager_copies.py, H100, W = 8 loopback, M = 8192, two runs): with
-    # copy-engine copies the FP8 row-wise all-gather took 1.27-1.29x and 1.13-1.16x its plain-copy
-    # time on the two largest shapes (1072 against 844 us, 530 against 457) and 1.00-1.05x on the
-    # others, while the tensor-wise one (the same copies, no scales) took 0.95-1.03x. Why is not
-    # known (plain copies for the scales alone did not change it).
-    ce = env.ce_copies_enabled() and scale_rows is None
+    # NOTE (issue 14): a call that gathers row-wise scales on a GPU its ranks share asks for no
+    # copy engine (its consumer then leaves the full SM reserve, _consumer_sms). Measured in eager
+    # (bench/diag_eager_copies.py, H100, W = 8 loopback, M = 8192, two runs): with copy-engine
+    # copies the FP8 row-wise all-gather took 1.27-1.29x and 1.13-1.16x its plain-copy time on the
+    # two largest shapes (1072 against 844 us, 530 against 457) and 1.00-1.05x on the others; the
+    # tensor-wise one (the same copies, no scales) took 0.95-1.03x in one run and 0.96-1.09x in the
+    # other (1.08-1.09x on two host-bound shapes of a noisy host). Why is not known (plain copies
+    # for the scales alone did not change it). Between GPUs it is not measured: left as it was.
+    ce = env.ce_copies_enabled() and not (scale_rows is not None and getattr(ws, "shares_device", False))
     a.use_ce = 1 if ce else 0
     # This rank's shard into its symmetric buffer and into its chunk of A_full (and the row
     # scales likewise), one launch that writes nothing once a wait has timed out (fail-stop;
@@ -303,9 +305,10 @@ def _finish(ws, tensors, flags, signal=None, join=None, stream=None) -> None:
                  join=join if i == 0 else None)  # fmt: skip
 
 
-def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled=None, ref_fn=None, args=None):
+def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled=None, ref_fn=None, args=None, row_scales=False):
     """scaled: None, or fn(args) -> the scaled launch arguments of _ag_run; ref_fn: the layout's
-    reference (on (A, Bs, gd, group_name)); args: the op's arguments (what bind takes)."""
+    reference (on (A, Bs, gd, group_name)); args: the op's arguments (what bind takes);
+    row_scales: the call gathers row-wise scales (its copies ask for no copy engine on a shared GPU)."""
     why = _common_reason(A)
     if why:
         return None, why
@@ -318,7 +321,7 @@ def _plan_ag(A, Bs, gather_dim, group_name, return_A=True, scaled=None, ref_fn=N
         return None, "Bs dtypes differ from A's"
     K = A.shape[-1]
     work = cost.Work("ag", A.numel() // K * W, K, sum(B.shape[1] for B in Bs), A.element_size(), A.element_size(),
-                     A.element_size() == 1)  # fmt: skip
+                     A.element_size() == 1, ce_copies=not row_scales)  # fmt: skip
     if ref_fn is None:
         ref_fn = functools.partial(reference.all_gather_matmul, return_A=return_A)
     layout = []  # the reference's layout, once known (a function of the signature)
@@ -570,7 +573,7 @@ def plan(name, W, *args, **kwargs):
         # reference (the meta _scaled_mm would reject N not divisible by 16).
         return _plan_ag(A, Bs, gd, group_name, True,
                         lambda a: (a[2], mode, list(a[3]), list(a[6]), dts, list(a[9]), list(a[7])),
-                        _scaled_layout_proxy, args)  # fmt: skip
+                        _scaled_layout_proxy, args, row_scales=mode == validate.ScaleMode.ROW_WISE_SHARDED)  # fmt: skip
     if name == "fused_matmul_reduce_scatter":
         A, B, reduce_op, scatter_dim, group_name = args
         return _plan_rs(A, B, reduce_op, scatter_dim, group_name, args=args)

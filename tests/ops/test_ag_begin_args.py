@@ -133,9 +133,38 @@ def test_row_scales_then_none_leave_nothing_stale(recorded):
     assert (a1.copy_dst[2], a1.copy_dst[3]) == (ws._buf_ptrs[RANK] + off, a1.scale_base + RANK * 8 * 4)
     assert a1.copy_src[2] == a1.copy_src[3] and a1.copy_bytes[2] == a1.copy_bytes[3] == 8 * 4
     assert a2.nscale == 0 and a2.ncopy == 2
-    # The row-wise call asks for no copy engine (measured slower in eager, fused._ag_run), the
-    # call without scales does where MPTP_CE_COPIES allows it.
-    assert a1.use_ce == 0 and a2.use_ce == int(env.ce_copies_enabled())
+
+
+@pytest.mark.parametrize("shares", [True, False])
+def test_only_a_row_wise_call_on_a_shared_gpu_asks_for_no_copy_engine(recorded, monkeypatch, shares):
+    """On a GPU its ranks share, a call that gathers row-wise scales asks for no copy engine
+    (measured slower with one in eager, fused._ag_run) and its consumer leaves the full SM reserve
+    to the plain copies; the unscaled and tensor-wise calls ask for one and leave at most 2 SMs.
+    Between GPUs nothing changes (the consumer takes every SM)."""
+    monkeypatch.setenv("MPTP_RESERVE_SMS", "8")
+    monkeypatch.delenv("MPTP_CE_COPIES", raising=False)
+    monkeypatch.setattr(P, "ce_copies", lambda stream=None: True)
+    monkeypatch.setattr(fused.pm, "sm_count", lambda dev: 132)
+    ws = _Workspace(0x60_0000_0000)
+    ws.shares_device = shares
+    A = torch.randn(8, 32).to(torch.float8_e4m3fn)
+    B = torch.randn(32, 16).to(torch.float8_e4m3fn)
+
+    def scaled(A_scale, mode):
+        return (A_scale, mode, [torch.ones(1, 16) if mode != validate.ScaleMode.TENSOR_WISE else torch.ones(())],
+                [None], [torch.bfloat16], [False], [None])  # fmt: skip
+
+    fused._ag_run(ws, A, [B], 0, "g", True, W, scaled(torch.rand(8, 1) + 0.5, validate.ScaleMode.ROW_WISE_SHARDED))
+    fused._ag_run(ws, A, [B], 0, "g", True, W, scaled(torch.ones(()), validate.ScaleMode.TENSOR_WISE))
+    fused._ag_run(ws, A.to(torch.float16), [B.to(torch.float16)], 0, "g", True, W)
+    row, tensor, plain = recorded["begin"]
+    sms = [kw["num_sms"] for _, kw in recorded["matmul"]]
+    if shares:
+        assert (row.use_ce, tensor.use_ce, plain.use_ce) == (0, 1, 1)
+        assert sms == [124, 130, 130]
+    else:
+        assert (row.use_ce, tensor.use_ce, plain.use_ce) == (1, 1, 1)
+        assert sms == [None, None, None]
 
 
 def test_workspaces_keep_their_own_arguments_and_a_freed_one_raises(recorded):

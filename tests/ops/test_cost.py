@@ -65,9 +65,12 @@ def _picks(path=RECORD, dtypes=("bf16", "fp8_row"), ops=None):
         if dtype not in dtypes or op not in ops:
             continue
         fp8 = dtype != "bf16"
-        w = Work(op, M, K, N, 1 if fp8 else 2, 2, fp8)
+        w = Work(op, M, K, N, 1 if fp8 else 2, 2, fp8, ce_copies=dtype != "fp8_row")
         for capturing, suffix in ((False, ""), (True, "@graph")):
-            reserve = 8 if capturing else 2  # the consumer's SMs left free on a shared GPU
+            # The consumer's SMs left free on a shared GPU: all of MPTP_RESERVE_SMS where its copies
+            # are plain (capture; the row-wise scaled call since af158e4), 2 where they ask for a
+            # copy engine.
+            reserve = 8 if capturing or not w.ce_copies else 2
             fused, ref = estimate(w, Link(W, shares_device=True, reserve_sms=reserve, **H200), capturing)
             out.append(((op, dtype, N, K), "graph" if capturing else "eager", m["fused" + suffix],
                         m["reference" + suffix], "fused" if fused < ref else "reference"))  # fmt: skip
