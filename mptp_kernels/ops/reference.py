@@ -101,10 +101,10 @@ def _gather_dim_major_strides(shape: tuple, W: int, gather_dim: int) -> tuple:
     NOTE: found by a hostile review: a view's stride for a size-1 dim is not one thing (ATen's
     view and the Python one fake tensors run pick different ones), so the fake returned other
     strides than the real op for, e.g., a [1, S, K] shard gathered on dim 1. The fake takes the
-    real op's: these views, run by ATen on a meta tensor (no mode: neither fake nor tracing)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
+    real op's: these views, run by ATen on a meta tensor (no mode: neither fake nor tracing, and no
+    Python dispatcher: on while torch.compile traces, it gave the Python views' strides, which this
+    cache then kept for every later eager call; found by another hostile review)."""
+    with validate.real_mode():
         g = torch.empty((W * shape[0], *shape[1:]), device="meta")
         return tuple(g.view(W, *shape).movedim(gather_dim + 1, 1).flatten(0, 1).stride())
 
@@ -148,10 +148,15 @@ def _cpu_scaled_mm(A, B, A_scale, B_scale, bias, out_dtype, use_fast_accum):
     try:
         out = torch._scaled_mm(A, B, A_scale, B_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):  # e.g. mixed FP8 with bf16 scales
-        _CPU_SCALED_MM[key] = False
+        if _real(A):  # (a fake or traced call's refusal is not the CPU kernel's)
+            _CPU_SCALED_MM[key] = False
         return None
-    _CPU_SCALED_MM[key] = True
     return out
+
+
+def _real(t) -> bool:
+    """t is a plain tensor and no dispatch mode is on: what a kernel refuses here, it refuses."""
+    return type(t) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
 
 
 def scaled_mm(A, B, A_scale, B_scale, bias=None, result_scale=None, out_dtype=None, use_fast_accum=False):

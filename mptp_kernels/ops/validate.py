@@ -139,6 +139,24 @@ _CUDA_MATMUL = (torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
 _CPU_MATMUL: dict = {}
 
 
+def real_mode():
+    """What an eager call runs on: no dispatch mode (fake, proxy, functional) and no Python
+    dispatcher (on while torch.compile and make_fx trace). For probes whose answer is kept for
+    every later call: a trace must not fill such a cache with its own answer (found by a hostile
+    review: a matmul probed under a FakeTensorMode succeeded for dtypes the CPU refuses, and views
+    run under the Python dispatcher gave other size-1 strides than ATen's)."""
+    import contextlib
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_disable_current_modes())
+    no_python_dispatcher = getattr(torch._C, "_DisablePythonDispatcher", None)
+    if no_python_dispatcher is not None:
+        stack.enter_context(no_python_dispatcher())
+    return stack
+
+
 def matmul_supports(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type == "cuda":
         return dtype in _CUDA_MATMUL
@@ -147,8 +165,9 @@ def matmul_supports(dtype: torch.dtype, device: torch.device) -> bool:
     ok = _CPU_MATMUL.get(dtype)
     if ok is None:
         try:
-            z = torch.zeros(1, 1, dtype=dtype)
-            torch.matmul(z, z)
+            with real_mode():  # (a probe under a fake mode would say yes to any dtype)
+                z = torch.zeros(1, 1, dtype=dtype)
+                torch.matmul(z, z)
             ok = True
         except (RuntimeError, NotImplementedError, TypeError):
             ok = False
