@@ -307,7 +307,7 @@ def scaled_matmul_reduce_scatter(
     validate.scatter_dim_after_reshape(scatter_dim_after_maybe_reshape, A)
     orig_scatter_dim = validate.norm_dim(orig_scatter_dim, len(output_shape), "orig_scatter_dim")
     validate.check_divisible(output_shape, orig_scatter_dim, W, "orig_scatter_dim")
-    if A_scale.numel() > 1:
+    if A_scale.numel() != 1:  # row-wise, zero rows included
         A_scale = A_scale.flatten(0, -2).contiguous()
     C = scaled_mm(A.flatten(0, -2).contiguous(), B, A_scale, B_scale, bias, result_scale, out_dtype,
                   use_fast_accum)

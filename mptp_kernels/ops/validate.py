@@ -181,6 +181,45 @@ def _check_matmul_dtype(A) -> None:
         raise ValueError(f"A: torch.matmul does not support dtype {A.dtype} on {A.device.type}")
 
 
+_CPU_BMM: dict = {}
+
+
+def _bmm_supports(dtype: torch.dtype) -> bool:
+    ok = _CPU_BMM.get(dtype)
+    if ok is None:
+        try:
+            with real_mode():
+                z = torch.zeros(1, 1, 1, dtype=dtype)
+                torch.bmm(z, z)
+            ok = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _CPU_BMM[dtype] = ok
+    return ok
+
+
+def _folds(A) -> bool:
+    """torch.matmul(A, B) with A of 3+ dims and B of 2 runs one mm on A's view as a matrix where
+    its leading dims are one run of memory (ATen's should_fold), else a bmm."""
+    if A.numel() == 0:
+        return True
+    # (size-1 dims take no part: their strides are arbitrary, and a view ignores them)
+    lead = [(n, st) for n, st in zip(A.shape[:-1], A.stride()[:-1]) if n != 1]
+    return all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+
+
+def check_batched_matmul(A, B) -> None:
+    """The matmul-reduce-scatter's reference runs torch.matmul(A, B) as PyTorch's fallback does: on
+    the CPU an A of 3+ dims whose leading dims are not one run of memory takes bmm, which some
+    dtypes lack where mm has them (FP8: found by a hostile fuzzer, a NotImplementedError after
+    the collective). NOTE: a B that requires grad makes ATen fold anyway (a copy): not refused."""
+    if (A.device.type == "cpu" and A.dim() > 2 and isinstance(B, torch.Tensor) and not B.requires_grad
+            and all(type(n) is int for n in A.shape) and not _folds(A) and not _bmm_supports(A.dtype)):  # fmt: skip
+        raise ValueError(f"A: torch.matmul cannot multiply a {A.dtype} A of {A.dim()} dims with strides "
+                         f"{tuple(A.stride())} on the CPU (it would take bmm, which has no {A.dtype} kernel); "
+                         "pass A.contiguous()")  # fmt: skip
+
+
 def one_element_scale(s, A):
     """A one-element A_scale of more than 2 dims that is not A's row-wise shape, as the 0-d
     tensor-wise scale it is (PyTorch's fallback reads it so; the math would broadcast the
@@ -334,6 +373,7 @@ def matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_name: st
     _check_matmul_operands(A, B, "B", A.shape[-1], same_dtype=not scaled)
     if not scaled:
         _check_matmul_dtype(A)
+        check_batched_matmul(A, B)
     if scatter_dim is not None:  # the scaled op checks its output_shape itself
         scatter_dim = norm_dim(scatter_dim, A.dim(), "scatter_dim")
         check_divisible([*A.shape[:-1], B.shape[1]], scatter_dim, W, "scatter_dim")

@@ -345,3 +345,42 @@ def test_scaled_reduce_scatter_output_shape_checks_leave_symbolic_sizes_to_view(
             out = g(x, torch.tensor(n))
             assert out.shape == (n, 8) and torch.equal(out, ref(x[:n]))
     torch._dynamo.reset()
+
+
+def test_the_batched_matmul_check_refuses_exactly_what_torch_matmul_refuses():
+    """validate.check_batched_matmul against torch.matmul itself, on FP8 and float32 As of 3 and 4
+    dims in many layouts (permuted, sliced, expanded, zero-size): it refuses a layout exactly
+    where torch.matmul raises (FP8 on the CPU: mm but no bmm), before any communication."""
+    import itertools
+
+    from mptp_kernels.ops import validate
+
+    g = torch.Generator().manual_seed(0)
+    seen = {True: 0, False: 0}
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float32):
+        for shape in ((2, 3, 4), (3, 1, 2, 4), (1, 2, 4), (2, 0, 4), (4, 2, 3, 4)):
+            base = torch.randn(*shape, generator=g).to(dtype)
+            B = torch.randn(4, 5, generator=g).to(dtype)
+            views = [base]
+            for perm in itertools.permutations(range(base.dim() - 1)):
+                views.append(base.permute(*perm, base.dim() - 1))
+            views.append(torch.randn(shape[0] * 2, *shape[1:], generator=g).to(dtype)[::2])
+            views.append(torch.randn(shape[0], shape[1] * 2, *shape[2:], generator=g).to(dtype)[:, ::2])
+            views.append(torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype)[..., : shape[-1]])
+            views.append(torch.randn(*shape[:-2], shape[-2] + 1, shape[-1], generator=g).to(dtype)[..., 1:, :])
+            views.append(base[..., :1, :].expand(*shape[:-2], 3, shape[-1]) if shape[-2] else base)
+            for A in views:
+                try:
+                    torch.matmul(A, B)
+                    torch_ok = True
+                except (RuntimeError, NotImplementedError):
+                    torch_ok = False
+                try:
+                    validate.check_batched_matmul(A, B)
+                    ours = True
+                except ValueError as e:
+                    assert "A:" in str(e) and "contiguous" in str(e)
+                    ours = False
+                assert ours == torch_ok, (dtype, tuple(A.shape), A.stride(), torch_ok)
+                seen[torch_ok] += 1
+    assert seen[False] > 0 and seen[True] > 0, seen
