@@ -157,22 +157,29 @@ def real_mode():
     return stack
 
 
+def _cpu_kernel_takes(cache: dict, dtype: torch.dtype, op, dims: int) -> bool:
+    """Whether torch's CPU `op` multiplies two 1-element tensors of `dims` dims of `dtype`
+    (remembered per dtype in `cache`; probed as an eager call would run it: a probe under a
+    fake mode would say yes to any dtype)."""
+    ok = cache.get(dtype)
+    if ok is None:
+        try:
+            with real_mode():
+                z = torch.zeros((1,) * dims, dtype=dtype)
+                op(z, z)
+            ok = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        cache[dtype] = ok
+    return ok
+
+
 def matmul_supports(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type == "cuda":
         return dtype in _CUDA_MATMUL
     if device.type != "cpu":
         return True  # meta and others: no kernel to run, no dtype to refuse
-    ok = _CPU_MATMUL.get(dtype)
-    if ok is None:
-        try:
-            with real_mode():  # (a probe under a fake mode would say yes to any dtype)
-                z = torch.zeros(1, 1, dtype=dtype)
-                torch.matmul(z, z)
-            ok = True
-        except (RuntimeError, NotImplementedError, TypeError):
-            ok = False
-        _CPU_MATMUL[dtype] = ok
-    return ok
+    return _cpu_kernel_takes(_CPU_MATMUL, dtype, torch.matmul, 2)
 
 
 def _check_matmul_dtype(A) -> None:
@@ -185,17 +192,7 @@ _CPU_BMM: dict = {}
 
 
 def _bmm_supports(dtype: torch.dtype) -> bool:
-    ok = _CPU_BMM.get(dtype)
-    if ok is None:
-        try:
-            with real_mode():
-                z = torch.zeros(1, 1, 1, dtype=dtype)
-                torch.bmm(z, z)
-            ok = True
-        except (RuntimeError, NotImplementedError, TypeError):
-            ok = False
-        _CPU_BMM[dtype] = ok
-    return ok
+    return _cpu_kernel_takes(_CPU_BMM, dtype, torch.bmm, 3)
 
 
 def _folds(A) -> bool:
