@@ -151,6 +151,7 @@ def real_mode():
 
     stack = contextlib.ExitStack()
     stack.enter_context(_disable_current_modes())
+    stack.enter_context(torch.autocast("cpu", enabled=False))  # (under autocast a probe runs another dtype)
     no_python_dispatcher = getattr(torch._C, "_DisablePythonDispatcher", None)
     if no_python_dispatcher is not None:
         stack.enter_context(no_python_dispatcher())
@@ -165,7 +166,7 @@ def _cpu_kernel_takes(cache: dict, dtype: torch.dtype, op, dims: int) -> bool:
     if ok is None:
         try:
             with real_mode():
-                z = torch.zeros((1,) * dims, dtype=dtype)
+                z = torch.zeros((1,) * dims, dtype=dtype, device="cpu")
                 op(z, z)
             ok = True
         except (RuntimeError, NotImplementedError, TypeError):
@@ -205,16 +206,18 @@ def _folds(A) -> bool:
     return all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
 
 
-def check_batched_matmul(A, B) -> None:
-    """The matmul-reduce-scatter's reference runs torch.matmul(A, B) as PyTorch's fallback does: on
-    the CPU an A of 3+ dims whose leading dims are not one run of memory takes bmm, which some
-    dtypes lack where mm has them (FP8: found by a hostile fuzzer, a NotImplementedError after
-    the collective). NOTE: a B that requires grad makes ATen fold anyway (a copy): not refused."""
-    if (A.device.type == "cpu" and A.dim() > 2 and isinstance(B, torch.Tensor) and not B.requires_grad
-            and all(type(n) is int for n in A.shape) and not _folds(A) and not _bmm_supports(A.dtype)):  # fmt: skip
-        raise ValueError(f"A: torch.matmul cannot multiply a {A.dtype} A of {A.dim()} dims with strides "
-                         f"{tuple(A.stride())} on the CPU (it would take bmm, which has no {A.dtype} kernel); "
-                         "pass A.contiguous()")  # fmt: skip
+def matmul_operand(A, B):
+    """A as the reference hands it to torch.matmul(A, B) (as PyTorch's fallback does): itself,
+    except on the CPU where an A of 3+ dims whose leading dims are not one run of memory would take
+    bmm, which some dtypes lack where mm has them (FP8: found by a hostile fuzzer, a
+    NotImplementedError after the collective): then A.contiguous(), what ATen's own fold does
+    (a copy, then one mm: the same bits). Not a refusal: a compile re-runs this on fake tensors
+    whose B no longer requires grad, where ATen folds anyway (found by a hostile review)."""
+    if (isinstance(A, torch.Tensor) and A.device.type == "cpu" and A.dim() > 2
+            and all(type(n) is int for n in A.shape) and all(type(n) is int for n in A.stride())
+            and not _folds(A) and not _bmm_supports(A.dtype)):  # fmt: skip
+        return A.contiguous()
+    return A
 
 
 def one_element_scale(s, A):
@@ -370,7 +373,6 @@ def matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_name: st
     _check_matmul_operands(A, B, "B", A.shape[-1], same_dtype=not scaled)
     if not scaled:
         _check_matmul_dtype(A)
-        check_batched_matmul(A, B)
     if scatter_dim is not None:  # the scaled op checks its output_shape itself
         scatter_dim = norm_dim(scatter_dim, A.dim(), "scatter_dim")
         check_divisible([*A.shape[:-1], B.shape[1]], scatter_dim, W, "scatter_dim")

@@ -347,10 +347,11 @@ def test_scaled_reduce_scatter_output_shape_checks_leave_symbolic_sizes_to_view(
     torch._dynamo.reset()
 
 
-def test_the_batched_matmul_check_refuses_exactly_what_torch_matmul_refuses():
-    """validate.check_batched_matmul against torch.matmul itself, on FP8 and float32 As of 3 and 4
-    dims in many layouts (permuted, sliced, expanded, zero-size): it refuses a layout exactly
-    where torch.matmul raises (FP8 on the CPU: mm but no bmm), before any communication."""
+def test_the_matmul_operand_is_a_copy_exactly_where_torch_matmul_would_take_a_missing_bmm():
+    """validate.matmul_operand against torch.matmul itself, on FP8 and float32 As of 3 and 4 dims
+    in many layouts (permuted, sliced, expanded, zero-size): it copies A exactly where
+    torch.matmul raises (FP8 on the CPU: mm but no bmm), and the product with its operand then
+    runs, bit-equal to torch.matmul's wherever that runs; B requiring grad (ATen folds) too."""
     import itertools
 
     from mptp_kernels.ops import validate
@@ -375,12 +376,15 @@ def test_the_batched_matmul_check_refuses_exactly_what_torch_matmul_refuses():
                     torch_ok = True
                 except (RuntimeError, NotImplementedError):
                     torch_ok = False
-                try:
-                    validate.check_batched_matmul(A, B)
-                    ours = True
-                except ValueError as e:
-                    assert "A:" in str(e) and "contiguous" in str(e)
-                    ours = False
-                assert ours == torch_ok, (dtype, tuple(A.shape), A.stride(), torch_ok)
+                op = validate.matmul_operand(A, B)
+                assert (op is A) == torch_ok, (dtype, tuple(A.shape), A.stride(), torch_ok)
+                got = torch.matmul(op, B)
+                if torch_ok:
+                    assert torch.equal(got.float(), torch.matmul(A, B).float())
+                else:
+                    assert torch.equal(got.float(), torch.matmul(A.contiguous(), B).float())
+                Bg = B.float().requires_grad_() if dtype == torch.float32 else None
+                if Bg is not None:  # (B requiring grad: ATen folds, nothing to copy)
+                    assert torch.equal(torch.matmul(validate.matmul_operand(A, Bg), Bg), torch.matmul(A, Bg))
                 seen[torch_ok] += 1
     assert seen[False] > 0 and seen[True] > 0, seen
