@@ -271,7 +271,7 @@ def matmul_reduce_scatter(
     by the world size, contiguous, A's dtype. reduce_op: "sum" or "avg".
     """
     W, scatter_dim = validate.matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name, False)
-    return reduce_scatter(torch.matmul(validate.matmul_operand(A, B), B), reduce_op, scatter_dim, W, group_name)
+    return reduce_scatter(torch.matmul(validate.matmul_operand(A), B), reduce_op, scatter_dim, W, group_name)
 
 
 def scaled_matmul_reduce_scatter(

@@ -206,7 +206,7 @@ def _folds(A) -> bool:
     return all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
 
 
-def matmul_operand(A, B):
+def matmul_operand(A):
     """A as the reference hands it to torch.matmul(A, B) (as PyTorch's fallback does): itself,
     except on the CPU where an A of 3+ dims whose leading dims are not one run of memory would take
     bmm, which some dtypes lack where mm has them (FP8: found by a hostile fuzzer, a
