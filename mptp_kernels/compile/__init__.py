@@ -28,8 +28,10 @@ would for that pass alone.
 """
 
 import hashlib
+import logging
 import os
-from typing import Optional
+from collections import OrderedDict
+from typing import Optional, Tuple
 
 import torch
 import torch._functorch.config
@@ -37,6 +39,8 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .micro_pipeline import Decision, micro_pipeline_pass, recording
+
+_log = logging.getLogger("mptp_kernels")
 
 __all__ = [
     "Decision",
@@ -112,6 +116,45 @@ def _enabled_groups() -> tuple:
     return tuple(sorted(groups))
 
 
+# AOTAutograd graphs (aot_id) whose forward or inference graph was compiled with the pass installed.
+_WITH_PASS: "OrderedDict[str, None]" = OrderedDict()
+
+
+def _aot_graph() -> Optional[Tuple[str, str]]:
+    """(aot_id, "forward" | "backward" | "inference") of the graph AOTAutograd compiles now, or None
+    where this torch does not say (its TracingContext's aot_graph_name, "<aot_id>_<kind>")."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        names = getattr(ctx, "aot_graph_name", None) if ctx is not None else None
+    except Exception:  # noqa: BLE001 - no tracing context on this torch
+        return None
+    if not names:
+        return None
+    aot_id, _, kind = str(names[0] if isinstance(names, (list, tuple)) else names).rpartition("_")
+    return (aot_id, kind) if aot_id else None
+
+
+def _backward_of_unfused_forward() -> bool:
+    """Whether the graph being compiled is a backward whose forward was compiled without the pass.
+
+    NOTE: AOTAutograd computes its cache key when the forward compiles and stores the entry when
+    the backward has compiled, lazily at the first backward by default. A pass enabled between
+    the two would fuse a backward stored under a key that says it did not run: processes that
+    never enable it (or never import this package) then load a backward calling torch.ops.mptp
+    (found by a hostile review). Such a backward is left as its forward's compile saw the pass:
+    off. Recorded per aot_id from both uuid() (the FX graph cache asks first) and the pass."""
+    g = _aot_graph()
+    if g is None:
+        return False
+    aot_id, kind = g
+    if kind == "backward":
+        return aot_id not in _WITH_PASS
+    _WITH_PASS[aot_id] = None
+    if len(_WITH_PASS) > 4096:
+        _WITH_PASS.popitem(last=False)
+    return False
+
+
 class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
     """The mptp post-grad pass, running the previously installed pass(es) first.
 
@@ -131,9 +174,14 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
                 p(graph, is_inference=is_inference)
             else:
                 p(graph)
+        if _backward_of_unfused_forward():
+            _log.info("mptp: a backward whose forward was compiled without the pass stays unfused")
+            return
         micro_pipeline_pass(graph)
 
     def uuid(self) -> Optional[tuple]:
+        # NOTE: a backward left unfused (above) is another compile of the same graph: its own key.
+        lazy = ("backward of an unfused forward",) if _backward_of_unfused_forward() else ()
         chained = []
         for p in _as_list(self.chained):
             # NOTE: Inductor's own rule (codecache._check_custom_passes): a pass that is
@@ -142,7 +190,7 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
             if not u:
                 return None
             chained.append(u)
-        return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained))
+        return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained), *lazy)
 
 
 _state = {"depth": 0, "torch_flag": None}

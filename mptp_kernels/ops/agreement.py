@@ -15,6 +15,7 @@ import os
 import queue
 import struct
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,6 +38,7 @@ _DTYPES = (
 )  # fmt: skip
 MAX_DIMS = 8
 PAYLOAD_BYTES = 512
+_EXCHANGE_BYTES = 8 + PAYLOAD_BYTES + 3  # length word, payload, padding to an odd size (exchange_collective)
 # Call.options: matmul-reduce-scatter sums its chunk inside the matmul (MPTP_RS_REDUCE=kernel):
 # the ranks' protocols differ (arrival flags against a barrier), so all take it or none does.
 OPT_KERNEL_REDUCE = 1
@@ -191,7 +193,38 @@ def _collective_device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-_SEQ: dict = {}  # id(pg) -> (pg, this rank's number of agreement exchanges on it)
+class PerGroup:
+    """A value per process group that does not keep the group alive: a destroyed group's sockets
+    and threads must be freed (a strong reference leaked about 5 descriptors and 3 threads per
+    destroyed group: found by a hostile review). A group that takes no weak reference is held
+    by id, with the group itself checked on every read (ids are reused)."""
+
+    def __init__(self):
+        self._weak = weakref.WeakKeyDictionary()
+        self._strong: dict = {}
+
+    def get(self, pg, default=None):
+        try:
+            return self._weak.get(pg, default)
+        except TypeError:
+            hit = self._strong.get(id(pg))
+            return hit[1] if hit is not None and hit[0] is pg else default
+
+    def __setitem__(self, pg, value) -> None:
+        try:
+            self._weak[pg] = value
+        except TypeError:
+            self._strong[id(pg)] = (pg, value)
+
+    def __bool__(self) -> bool:
+        return len(self._weak) > 0 or bool(self._strong)
+
+    def clear(self) -> None:
+        self._weak.clear()
+        self._strong.clear()
+
+
+_SEQ = PerGroup()  # pg -> this rank's number of agreement exchanges on it
 _STORE_OPS: "queue.Queue" = None  # fire-and-forget store writes (a stalled store must not stall a call)
 
 
@@ -214,9 +247,8 @@ def _store_writer():
 def _arrive(pg, group_name: str, rank: int) -> int:
     """Counts this rank's exchanges on the group and publishes the count (naming who is missing)."""
     global _STORE_OPS
-    hit = _SEQ.get(id(pg))
-    seq = (hit[1] if hit is not None and hit[0] is pg else 0) + 1
-    _SEQ[id(pg)] = (pg, seq)
+    seq = _SEQ.get(pg, 0) + 1
+    _SEQ[pg] = seq
     store = _store()
     if store is not None:
         if _STORE_OPS is None:
@@ -238,7 +270,12 @@ def _missing(group_name: str, W: int, seq: int, wait_s: float = 1.0) -> str:
         for p in range(W):
             key = f"mptp/arrived/{group_name}/{p}"
             n = int(store.get(key)) if store.check([key]) else 0
-            if n < seq:
+            # NOTE: a peer that reached this call is at it or, done with it, at the next one
+            # (each counted exchange completes only once every rank has joined it). A count
+            # further ahead was published for an earlier group of this name on the same store
+            # (destroyed and made again): this group's peer has not counted here yet (found by a
+            # hostile review: such a peer was not named).
+            if n < seq or n > seq + 1:
                 late.append(p)
         late.append(None)  # done
 
@@ -258,7 +295,12 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     pg = _resolve_process_group(group_name)
     W = dist.get_world_size(pg)
     dev = _collective_device(pg)
-    buf = torch.zeros(PAYLOAD_BYTES + 8, dtype=torch.uint8)
+    # NOTE: an odd number of bytes (length word, payload, padding). Where MPTP_CHECK_AGREEMENT
+    # differs between ranks, this collective pairs with a peer's data collective: gloo then
+    # fails on the size mismatch for any tensor of elements wider than a byte, where 520 bytes
+    # (130 fp32 values) went through and the peer returned our payload as data (found by a hostile
+    # review). The variable must be set alike on every rank (README, Safety).
+    buf = torch.zeros(_EXCHANGE_BYTES, dtype=torch.uint8)
     buf[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     buf[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     buf = buf.to(dev)
@@ -280,17 +322,17 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
 
 # Groups whose collectives timed out part-way (a gloo op left pending pairs with the next one):
 # id(pg) -> (pg, message). Every later call on such a group raises at once, before communicating.
-BROKEN: dict = {}
+BROKEN = PerGroup()
 
 
 def mark_broken(pg, msg: str) -> None:
-    BROKEN[id(pg)] = (pg, msg)
+    BROKEN[pg] = msg
 
 
 def check_broken(pg) -> None:
-    hit = BROKEN.get(id(pg))
-    if hit is not None and hit[0] is pg:
-        raise RuntimeError(hit[1])
+    msg = BROKEN.get(pg)
+    if msg is not None:
+        raise RuntimeError(msg)
 
 
 class _Waiter:

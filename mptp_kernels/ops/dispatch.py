@@ -49,7 +49,7 @@ _REFERENCE = {
     "fused_matmul_reduce_scatter": reference.matmul_reduce_scatter,
     "fused_scaled_matmul_reduce_scatter": reference.scaled_matmul_reduce_scatter,
 }
-_UNSERVABLE: dict = {}  # (id(process group), device) -> why no workspace can serve it
+_UNSERVABLE = agreement.PerGroup()  # process group -> {device: why no workspace can serve it}
 
 
 def _fused_module():
@@ -164,9 +164,9 @@ def _workspace(group_name: str, device, need: int):
     from ..symm import primitives as P
 
     pg = P._group(group_name)
-    key = (id(pg), str(device))
-    if key in _UNSERVABLE and _UNSERVABLE[key][0] is pg:
-        return None, _UNSERVABLE[key][1]
+    why = _UNSERVABLE.get(pg, {}).get(str(device))
+    if why is not None:
+        return None, why
     ws = P.lookup(group_name, device)
     if ws is not None:
         return ws, None
@@ -176,7 +176,10 @@ def _workspace(group_name: str, device, need: int):
         if torch.cuda.is_current_stream_capturing():
             raise
         # NOTE: creation agrees on every rank (SymmetricMemory raises on all), so they all fall back.
-        _UNSERVABLE[key] = (pg, str(e))
+        per_device = _UNSERVABLE.get(pg)
+        if per_device is None:
+            per_device = _UNSERVABLE[pg] = {}
+        per_device[str(device)] = str(e)
         env.log_once(("unservable", group_name), "mptp: %s", e)
         return None, str(e)
 

@@ -51,6 +51,15 @@ _NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _NATIVE_SUM = _NATIVE + (torch.int8,)
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _plain(t) -> bool:
+    """A tensor whose ops run as a plain tensor's: no __torch_dispatch__ of its own."""
+    cls = type(t)
+    return cls is torch.Tensor or cls is torch.nn.Parameter or getattr(cls, "__torch_dispatch__", None) is _PLAIN_DISPATCH
+
+
 def _bounded_group(t: torch.Tensor, group_name: str):
     """The process group when this collective runs eagerly on gloo with a real CPU tensor, else None.
 
@@ -59,9 +68,11 @@ def _bounded_group(t: torch.Tensor, group_name: str):
     peer skipped the call. Fake and traced tensors (the fake impls, torch.compile) keep the
     functional collectives, which only compute metadata there.
     """
-    # NOTE: plain tensors and parameters (a Parameter's .contiguous() is itself); fake and
-    # functional tensors are other subclasses.
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+    # NOTE: plain tensors, parameters (a Parameter's .contiguous() is itself) and any subclass
+    # that leaves dispatch alone (x.as_subclass(Sub), a Parameter's subclass: found by a hostile
+    # review, it waited for gloo's own timeout); fake, functional and wrapper tensors (DTensor)
+    # override __torch_dispatch__.
+    if not _plain(t) or t.device.type != "cpu":
         return None
     import torch.distributed as dist
 

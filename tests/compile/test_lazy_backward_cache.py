@@ -1,0 +1,79 @@
+"""A backward compiled lazily after the pass was enabled, for a forward compiled without it
+(session 21, helper-53): AOTAutograd keys its cache entry when the forward compiles (pass off)
+and stores it once the backward has compiled. A fused backward was stored under the pass-off
+key, so later processes that never enable the pass loaded a backward calling torch.ops.mptp, and
+one that never imported the package failed in backward(). Such a backward now stays unfused, as
+its forward's compile saw the pass; a forward compiled with the pass still gets a fused lazy
+backward. One process per phase, one cache dir, a fake group of 2 (no data moves)."""
+
+import json
+import os
+import subprocess
+import sys
+
+_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._dynamo.utils import counters
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+phase = sys.argv[1]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+g = dist.group.WORLD.group_name
+calls = []
+if phase != "noimport":
+    import mptp_kernels
+    from mptp_kernels.ops import dispatch
+    dispatch._count = lambda name, path, A: calls.append(name)
+    mptp_kernels.enable_symm_mem_for_group(g)
+
+def f(x, w1, w2):
+    h = torch.relu(funcol.all_gather_tensor(x, 0, g) @ w1)
+    return funcol.reduce_scatter_tensor(h @ w2, "sum", 0, g)
+
+torch.manual_seed(0)
+x, w1, w2 = (torch.randn(s, requires_grad=True) for s in ((4, 16), (16, 16), (16, 8)))
+counters.clear()
+err = None
+fw_calls = 0
+try:
+    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False):
+        if phase == "on":
+            mptp_kernels.enable_micro_pipeline_tp()
+        y = torch.compile(f)(x, w1, w2)
+        fw_calls = len(calls)
+        if phase == "poison":
+            with mptp_kernels.enable_micro_pipeline_tp():
+                y.sum().backward()
+        else:
+            y.sum().backward()
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"[:300]
+print("RESULT " + json.dumps({"fw_calls": fw_calls if err is None else None, "bw_calls": len(calls) - (fw_calls if err is None else 0), "err": err, "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+      "aot_saved": counters["aot_autograd"]["autograd_cache_saved"]}))
+"""
+
+
+def _run(cache_dir, phase):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0"}
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, phase], env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_a_pass_enabled_after_the_forward_compiled_leaves_the_cached_backward_unfused(tmp_path):
+    poison = _run(tmp_path, "poison")
+    assert poison["err"] is None and poison["aot_saved"] == 1, poison
+    assert poison["bw_calls"] == 0, poison  # the backward stays as its forward's compile saw the pass: off
+    for phase in ("plain", "noimport"):
+        r = _run(tmp_path, phase)
+        assert r["aot_hit"] == 1, r  # the entry the first process stored
+        assert r["err"] is None and r["bw_calls"] == 0, r  # (noimport: no torch.ops.mptp to call)
+
+
+def test_a_forward_compiled_with_the_pass_still_gets_a_fused_lazy_backward(tmp_path):
+    r = _run(tmp_path, "on")
+    assert r["err"] is None and r["fw_calls"] == 2 and r["bw_calls"] == 2, r

@@ -1,0 +1,122 @@
+"""Groups, tensor kinds and settings a hostile review found mishandled (session 21, helper-54),
+2 gloo ranks:
+- a plain tensor subclass (x.as_subclass(Sub), a Parameter's subclass) as A waited for gloo's own
+  timeout (30 minutes by default) with gloo's raw message where a tensor waits MPTP_TIMEOUT_S and
+  names op, group, rank and peer;
+- a destroyed group stayed alive (the agreement's call counts held it): its sockets and threads
+  leaked, about 5 descriptors and 3 threads per group;
+- after a group was destroyed and made again on the same store, a timeout took the earlier
+  group's published call counts for this one's and named no peer;
+- the agreement's exchange was 520 bytes, so where MPTP_CHECK_AGREEMENT differed between ranks a
+  130-element fp32 data collective paired with it and returned its bytes as data; its size is
+  now odd (gloo fails on the size mismatch for any tensor of elements wider than a byte)."""
+
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist.harness import Workers
+
+TIMEOUT_S = 120
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _ParamSub(torch.nn.Parameter):
+    pass
+
+
+@pytest.fixture(scope="module")
+def w2():
+    w = Workers(2, env={"MPTP_TIMEOUT_S": "3"})
+    yield w
+    w.close()
+
+
+def _skip_on_rank_1(kind, op):
+    g = dist.new_group([0, 1])  # a group of its own: this one is left broken
+    if dist.get_rank() == 1:
+        time.sleep(7)  # skips the call, alive past rank 0's timeout
+        return None
+    A = torch.randn(4, 4)
+    A = A.as_subclass(_Sub) if kind == "as_subclass" else _ParamSub(A, requires_grad=False)
+    assert type(A) is not torch.Tensor
+    t0 = time.monotonic()
+    try:
+        if op == "ag":
+            torch.ops.mptp.fused_all_gather_matmul(A, [torch.randn(4, 3)], 0, g.group_name)
+        else:
+            torch.ops.mptp.fused_matmul_reduce_scatter(A, torch.randn(4, 3), "sum", 0, g.group_name)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    return "returned"
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("kind", ["as_subclass", "parameter_subclass"])
+def test_a_tensor_subclass_waits_mptp_timeout_and_names_the_peer(w2, kind, op):
+    res = w2.run(_skip_on_rank_1, kind, op, timeout_s=TIMEOUT_S)[0]
+    assert res != "returned", "the call returned with a peer missing"
+    elapsed, msg = res
+    name = "fused_all_gather_matmul" if op == "ag" else "fused_matmul_reduce_scatter"
+    # MPTP_TIMEOUT_S = 3; 5 leaves room for a slow host (gloo's own bound here is 30 minutes).
+    assert elapsed < 5.0, (elapsed, msg)
+    assert name in msg and "rank 0" in msg and "peer rank(s) [1]" in msg, msg
+
+
+def _destroyed_group_is_freed():
+    g = dist.new_group([0, 1])
+    out = torch.ops.mptp.fused_all_gather_matmul(torch.ones(2, 4), [torch.ones(4, 3)], 0, g.group_name)[1][0]
+    assert torch.equal(out, torch.full((4, 3), 4.0))
+    ref = weakref.ref(g)
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    return ref() is None
+
+
+def test_a_destroyed_group_is_not_kept_alive(w2):
+    assert w2.run(_destroyed_group_is_freed, timeout_s=TIMEOUT_S) == [True, True]
+
+
+def _exchange_sizes():
+    from mptp_kernels.ops import agreement
+
+    sizes, real = [], dist.all_gather
+    agreement.dist.all_gather = lambda outs, buf, **kw: (sizes.append(buf.numel() * buf.element_size()),
+                                                         real(outs, buf, **kw))[1]  # fmt: skip
+    try:
+        g = dist.new_group([0, 1])
+        torch.ops.mptp.fused_all_gather_matmul(torch.ones(2, 4), [torch.ones(4, 3)], 0, g.group_name)
+    finally:
+        agreement.dist.all_gather = real
+    return sizes
+
+
+def test_the_agreement_exchange_is_an_odd_number_of_bytes():
+    w = Workers(2, env={"MPTP_CHECK_AGREEMENT": "1", "MPTP_TIMEOUT_S": "10"})
+    try:
+        for sizes in w.run(_exchange_sizes, timeout_s=TIMEOUT_S):
+            # one exchange per call; odd: no tensor of 2-, 4- or 8-byte elements has its size
+            assert len(sizes) == 1 and sizes[0] % 2 == 1, sizes
+    finally:
+        w.close()
+
+
+def test_a_count_published_for_an_earlier_group_of_the_name_is_not_taken_for_arrival(monkeypatch):
+    from mptp_kernels.ops import agreement
+
+    store = dist.HashStore()
+    # This rank is at exchange 5: rank 0 at it, rank 1 one past it (done with it), rank 2's count
+    # is from an earlier group of this name (further ahead than any peer of this call can be),
+    # rank 3 behind.
+    for p, n in enumerate((5, 6, 9, 1)):
+        store.set(f"mptp/arrived/grp/{p}", str(n))
+    monkeypatch.setattr(agreement, "_store", lambda: store)
+    assert "peer rank(s) [2, 3] had not reached this call" in agreement._missing("grp", 4, 5)
