@@ -134,25 +134,45 @@ def _aot_graph() -> Optional[Tuple[str, str]]:
     return (aot_id, kind) if aot_id else None
 
 
-def _backward_of_unfused_forward() -> bool:
-    """Whether the graph being compiled is a backward whose forward was compiled without the pass.
+def _next_aot_id() -> Optional[int]:
+    """The aot_id AOTAutograd gives its next compile (its counter, read without advancing it), or
+    None where this torch does not tell."""
+    try:
+        from torch._functorch import aot_autograd
+
+        r = repr(aot_autograd.AOT_COUNTER)  # itertools.count: "count(N)"
+        return int(r[r.index("(") + 1 : r.rindex(")")])
+    except Exception:  # noqa: BLE001 - no such counter: every forward counts as compiled with the pass
+        return None
+
+
+def _backward_of_unfused_forward(since: Optional[int]) -> bool:
+    """Whether the graph being compiled is a backward whose forward was compiled without the pass
+    (since: the first aot_id given out once this pass existed, None if unknown).
 
     NOTE: AOTAutograd computes its cache key when the forward compiles and stores the entry when
     the backward has compiled, lazily at the first backward by default. A pass enabled between
     the two would fuse a backward stored under a key that says it did not run: processes that
     never enable it (or never import this package) then load a backward calling torch.ops.mptp
     (found by a hostile review). Such a backward is left as its forward's compile saw the pass:
-    off. Recorded per aot_id from both uuid() (the FX graph cache asks first) and the pass."""
+    off. A forward counts as compiled with the pass where the pass (or its uuid(), which the FX
+    graph cache asks first) saw it, or where it started after this pass was made (a forward with
+    no call in it never reaches either: found by the next review)."""
     g = _aot_graph()
     if g is None:
         return False
     aot_id, kind = g
-    if kind == "backward":
-        return aot_id not in _WITH_PASS
-    _WITH_PASS[aot_id] = None
-    if len(_WITH_PASS) > 4096:
-        _WITH_PASS.popitem(last=False)
-    return False
+    if kind != "backward":
+        _WITH_PASS[aot_id] = None
+        if len(_WITH_PASS) > 4096:
+            _WITH_PASS.popitem(last=False)
+        return False
+    if aot_id in _WITH_PASS or since is None:
+        return False
+    try:
+        return int(aot_id) < since
+    except ValueError:
+        return False
 
 
 class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
@@ -167,6 +187,7 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
     def __init__(self, chained=None):
         self.chained = chained
         self._owned = False  # True when enable_micro_pipeline_tp() installed it
+        self._since = _next_aot_id()  # the first compile that can have run with this pass
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         for p in _as_list(self.chained):
@@ -174,14 +195,14 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
                 p(graph, is_inference=is_inference)
             else:
                 p(graph)
-        if _backward_of_unfused_forward():
+        if _backward_of_unfused_forward(getattr(self, "_since", None)):
             _log.info("mptp: a backward whose forward was compiled without the pass stays unfused")
             return
         micro_pipeline_pass(graph)
 
     def uuid(self) -> Optional[tuple]:
         # NOTE: a backward left unfused (above) is another compile of the same graph: its own key.
-        lazy = ("backward of an unfused forward",) if _backward_of_unfused_forward() else ()
+        lazy = ("backward of an unfused forward",) if _backward_of_unfused_forward(getattr(self, "_since", None)) else ()
         chained = []
         for p in _as_list(self.chained):
             # NOTE: Inductor's own rule (codecache._check_custom_passes): a pass that is

@@ -224,7 +224,7 @@ class PerGroup:
         self._strong.clear()
 
 
-_SEQ = PerGroup()  # pg -> this rank's number of agreement exchanges on it
+_SEQ = PerGroup()  # pg -> (generation, this rank's number of counted exchanges on it): _arrive
 _STORE_OPS: "queue.Queue" = None  # fire-and-forget store writes (a stalled store must not stall a call)
 
 
@@ -244,38 +244,47 @@ def _store_writer():
             pass
 
 
-def _arrive(pg, group_name: str, rank: int) -> int:
-    """Counts this rank's exchanges on the group and publishes the count (naming who is missing)."""
+_GENS: dict = {}  # group name -> how many group objects of that name this process has counted on, less one
+
+
+def _arrive(pg, group_name: str, rank: int) -> Tuple[int, int]:
+    """Counts this rank's exchanges on the group and publishes the count (naming who is missing).
+    Returns (generation, count): the generation tells this group from an earlier one of the same
+    name (destroyed and made again on the same store), whose counts a peer that has not counted on
+    this one yet would otherwise show (found by a hostile review: such a peer was not named).
+    Every rank of a group counts its generations alike: each makes and uses the same groups."""
     global _STORE_OPS
-    seq = _SEQ.get(pg, 0) + 1
-    _SEQ[pg] = seq
+    hit = _SEQ.get(pg)
+    if hit is None:
+        gen = _GENS[group_name] = _GENS.get(group_name, -1) + 1
+        seq = 1
+    else:
+        gen, seq = hit[0], hit[1] + 1
+    _SEQ[pg] = (gen, seq)
     store = _store()
     if store is not None:
         if _STORE_OPS is None:
             _STORE_OPS = queue.Queue()
             threading.Thread(target=_store_writer, name="mptp-store-writer", daemon=True).start()
-        _STORE_OPS.put((store, f"mptp/arrived/{group_name}/{rank}", str(seq)))
-    return seq
+        _STORE_OPS.put((store, f"mptp/arrived/{group_name}/{gen}/{rank}", str(seq)))
+    return gen, seq
 
 
-def _missing(group_name: str, W: int, seq: int, wait_s: float = 1.0) -> str:
-    """', peer ranks [..] had not reached this call' from the published counts, or '' (also when
-    the store does not answer within wait_s: the diagnosis must not outlast the timeout)."""
+def _missing(group_name: str, W: int, arrival: Tuple[int, int], wait_s: float = 1.0) -> str:
+    """', peer ranks [..] had not reached this call' from the published counts (arrival: this
+    rank's (generation, count), from _arrive), or '' (also when the store does not answer within
+    wait_s: the diagnosis must not outlast the timeout)."""
     store = _store()
     if store is None:
         return ""
+    gen, seq = arrival
     late: list = []
 
     def read():
         for p in range(W):
-            key = f"mptp/arrived/{group_name}/{p}"
+            key = f"mptp/arrived/{group_name}/{gen}/{p}"
             n = int(store.get(key)) if store.check([key]) else 0
-            # NOTE: a peer that reached this call is at it or, done with it, at the next one
-            # (each counted exchange completes only once every rank has joined it). A count
-            # further ahead was published for an earlier group of this name on the same store
-            # (destroyed and made again): this group's peer has not counted here yet (found by a
-            # hostile review: such a peer was not named).
-            if n < seq or n > seq + 1:
+            if n < seq:
                 late.append(p)
         late.append(None)  # done
 
@@ -308,10 +317,10 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
     # NOTE: read before the collective starts. A bad value is this rank's local error, which this
     # very exchange reports to the peers (the dispatcher put it in the payload).
     timeout = env.host_timeout_s_or_default(pg, dev.type)
-    seq = _arrive(pg, group_name, dist.get_rank(pg))
+    arrival = _arrive(pg, group_name, dist.get_rank(pg))
     work = dist.all_gather(outs, buf, group=pg, async_op=True)
     wait_bounded(work, pg, what, group_name, timeout,
-                 lambda: f"did not hear from every peer{_missing(group_name, W, seq)}")  # fmt: skip
+                 lambda: f"did not hear from every peer{_missing(group_name, W, arrival)}")  # fmt: skip
     res = []
     for o in outs:
         o = o.cpu()

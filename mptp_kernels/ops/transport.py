@@ -103,11 +103,11 @@ def _bounded(name, old_name, out, t, pg, group_name, what, **kw):
     call = getattr(_current, "what", None)
     # NOTE: counted like the agreement exchanges (a store write, no collective), so that a
     # timeout names the peers that had not reached this collective.
-    seq = agreement._arrive(pg, group_name, dist.get_rank(pg))
+    arrival = agreement._arrive(pg, group_name, dist.get_rank(pg))
     W = dist.get_world_size(pg)
     agreement.wait_bounded(op(out, t, group=pg, async_op=True, **kw), pg, call or what, group_name,
                            why=lambda: f"timed out in the reference path's {what.removeprefix('mptp ')}"
-                                       f"{agreement._missing(group_name, W, seq)}",
+                                       f"{agreement._missing(group_name, W, arrival)}",
                            in_thread="reduce_scatter" in name)  # fmt: skip
     return out
 

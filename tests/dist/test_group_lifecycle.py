@@ -113,10 +113,30 @@ def test_a_count_published_for_an_earlier_group_of_the_name_is_not_taken_for_arr
     from mptp_kernels.ops import agreement
 
     store = dist.HashStore()
-    # This rank is at exchange 5: rank 0 at it, rank 1 one past it (done with it), rank 2's count
-    # is from an earlier group of this name (further ahead than any peer of this call can be),
-    # rank 3 behind.
-    for p, n in enumerate((5, 6, 9, 1)):
-        store.set(f"mptp/arrived/grp/{p}", str(n))
+    # An earlier group of this name (generation 0) made 2 calls on every rank. On this one
+    # (generation 1), this rank is at its first counted exchange: rank 0 at it, rank 1 not yet.
+    for p in range(2):
+        store.set(f"mptp/arrived/grp/0/{p}", "2")
+    store.set("mptp/arrived/grp/1/0", "1")
     monkeypatch.setattr(agreement, "_store", lambda: store)
-    assert "peer rank(s) [2, 3] had not reached this call" in agreement._missing("grp", 4, 5)
+    assert "peer rank(s) [1] had not reached this call" in agreement._missing("grp", 2, (1, 1))
+    store.set("mptp/arrived/grp/1/1", "1")  # rank 1 reaches it
+    assert agreement._missing("grp", 2, (1, 1)) == ""
+
+
+def _generations(names):
+    """Each rank's (generation, count) of its first exchange on new groups, made and destroyed in turn."""
+    from mptp_kernels.ops import agreement
+
+    out = []
+    for _ in range(names):
+        g = dist.new_group([0, 1])
+        out.append((g.group_name, agreement._arrive(g, g.group_name, dist.get_rank())))
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_groups_made_again_count_generations_alike_on_every_rank(w2):
+    r0, r1 = w2.run(_generations, 3, timeout_s=TIMEOUT_S)
+    assert r0 == r1, (r0, r1)
+    assert all(seq == 1 for _, (_, seq) in r0), r0

@@ -247,7 +247,7 @@ def test_the_late_peer_diagnosis_never_blocks_on_the_store(monkeypatch):
 
     monkeypatch.setattr(agreement, "_store", lambda: Stalled())
     t0 = _time.monotonic()
-    assert agreement._missing("g", 2, 1, wait_s=0.5) == ""
+    assert agreement._missing("g", 2, (0, 1), wait_s=0.5) == ""
     assert _time.monotonic() - t0 < 5
 
 
