@@ -33,6 +33,9 @@ x_full, (up, gate) = mptp_kernels.fused_all_gather_matmul(x, [w_up, w_gate], gat
 w_down = torch.randn(H, D, device=DEV, dtype=torch.bfloat16) / H**0.5
 y = mptp_kernels.fused_matmul_reduce_scatter(up, w_down, "sum", scatter_dim=0, group=group)
 
+# or through the dispatcher, exactly like torch.ops.symm_mem
+_, (up_op,) = torch.ops.mptp.fused_all_gather_matmul(x, [w_up], 0, group.group_name)
+
 # the same math, unfused (gather on the CPU: gloo does not move CUDA tensors)
 parts = [torch.empty_like(x, device="cpu") for _ in range(W)]
 dist.all_gather(parts, x.cpu())
@@ -48,6 +51,6 @@ def rel(a, b):
 
 
 print(f"rank {rank}: gathered A equal: {torch.equal(x_full, ref_full)}, up rel err {rel(up, ref_up):.2e}, "
-      f"y rel err {rel(y, ref_y):.2e}, paths {mptp_kernels.path_counts() if GPUS else 'reference (CPU tensors)'}",
+      f"y rel err {rel(y, ref_y):.2e}, torch.ops up rel err {rel(up_op, ref_up):.2e}, paths {mptp_kernels.path_counts() if GPUS else 'reference (CPU tensors)'}",
       flush=True)  # fmt: skip
 dist.destroy_process_group()

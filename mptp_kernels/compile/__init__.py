@@ -134,30 +134,20 @@ def _aot_graph() -> Optional[Tuple[str, str]]:
     return (aot_id, kind) if aot_id else None
 
 
-def _next_aot_id() -> Optional[int]:
-    """The aot_id AOTAutograd gives its next compile (its counter, read without advancing it), or
-    None where this torch does not tell."""
-    try:
-        from torch._functorch import aot_autograd
+def _backward_of_unseen_forward() -> bool:
+    """Whether the graph being compiled is a backward whose forward the pass did not see compile
+    (the pass and its uuid(), which the FX graph cache asks first, record every forward they see).
 
-        r = repr(aot_autograd.AOT_COUNTER)  # itertools.count: "count(N)"
-        return int(r[r.index("(") + 1 : r.rindex(")")])
-    except Exception:  # noqa: BLE001 - no such counter: every forward counts as compiled with the pass
-        return None
-
-
-def _backward_of_unfused_forward(since: Optional[int]) -> bool:
-    """Whether the graph being compiled is a backward whose forward was compiled without the pass
-    (since: the first aot_id given out once this pass existed, None if unknown).
-
-    NOTE: AOTAutograd computes its cache key when the forward compiles and stores the entry when
-    the backward has compiled, lazily at the first backward by default. A pass enabled between
-    the two would fuse a backward stored under a key that says it did not run: processes that
-    never enable it (or never import this package) then load a backward calling torch.ops.mptp
-    (found by a hostile review). Such a backward is left as its forward's compile saw the pass:
-    off. A forward counts as compiled with the pass where the pass (or its uuid(), which the FX
-    graph cache asks first) saw it, or where it started after this pass was made (a forward with
-    no call in it never reaches either: found by the next review)."""
+    NOTE: AOTAutograd computes its cache key when the forward compiles and stores the entry once
+    the backward has compiled, lazily at the first backward by default. A backward fused by a
+    pass enabled between the two was stored under a key that says the pass did not run:
+    processes that never enable it (or never import this package) then loaded a backward calling
+    torch.ops.mptp (found by a hostile review). Whether the pass was installed while such a
+    forward compiled cannot be told (a forward with no call in it reaches neither the pass nor
+    uuid(); the config is per thread; the slot may be patched), so such a backward is fused but
+    never cached: its uuid() is None, which makes Inductor bypass the FX graph cache for it, and
+    AOTAutograd stores no entry whose backward has no FX cache key. Where AOTAutograd bundles
+    its entries anyway (bundled_autograd_cache, caching_precompile), it stays unfused instead."""
     g = _aot_graph()
     if g is None:
         return False
@@ -167,12 +157,17 @@ def _backward_of_unfused_forward(since: Optional[int]) -> bool:
         if len(_WITH_PASS) > 4096:
             _WITH_PASS.popitem(last=False)
         return False
-    if aot_id in _WITH_PASS or since is None:
-        return False
+    return aot_id not in _WITH_PASS
+
+
+def _bundled_autograd_cache() -> bool:
+    """Whether AOTAutograd stores entries whose graphs have no FX cache key (unknown: True)."""
     try:
-        return int(aot_id) < since
-    except ValueError:
-        return False
+        from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+
+        return bool(should_bundle_autograd_cache())
+    except Exception:  # noqa: BLE001 - not on this torch: assume it may
+        return True
 
 
 class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
@@ -187,7 +182,6 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
     def __init__(self, chained=None):
         self.chained = chained
         self._owned = False  # True when enable_micro_pipeline_tp() installed it
-        self._since = _next_aot_id()  # the first compile that can have run with this pass
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         for p in _as_list(self.chained):
@@ -195,14 +189,14 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
                 p(graph, is_inference=is_inference)
             else:
                 p(graph)
-        if _backward_of_unfused_forward(getattr(self, "_since", None)):
-            _log.info("mptp: a backward whose forward was compiled without the pass stays unfused")
+        if _backward_of_unseen_forward() and _bundled_autograd_cache():
+            _log.info("mptp: a backward whose forward the pass did not see stays unfused (bundled autograd cache)")
             return
         micro_pipeline_pass(graph)
 
     def uuid(self) -> Optional[tuple]:
-        # NOTE: a backward left unfused (above) is another compile of the same graph: its own key.
-        lazy = ("backward of an unfused forward",) if _backward_of_unfused_forward(getattr(self, "_since", None)) else ()
+        if _backward_of_unseen_forward():
+            return None  # never cached (see _backward_of_unseen_forward)
         chained = []
         for p in _as_list(self.chained):
             # NOTE: Inductor's own rule (codecache._check_custom_passes): a pass that is
@@ -211,7 +205,7 @@ class MicroPipelineTPPass(_InferenceAware or CustomGraphPass):
             if not u:
                 return None
             chained.append(u)
-        return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained), *lazy)
+        return ("mptp-micro-pipeline", _SOURCE_HASH, _enabled_groups(), tuple(chained))
 
 
 _state = {"depth": 0, "torch_flag": None}

@@ -1,5 +1,6 @@
 """Public Python wrappers of the torch.ops.mptp ops, and PyTorch-named helpers."""
 
+import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -167,9 +168,20 @@ def restride_A_for_fused_matmul_reduce_scatter(t: torch.Tensor, scatter_dim: int
     return _contiguous_for_perm(t, perm)
 
 
-# group_name -> the process group object enabled under that name. Names are reused
-# after destroy_process_group: a name enables only the very object it was enabled for.
+# group_name -> a weak reference to the process group object enabled under that name (None: a
+# name enabled before any group had it). Names are reused after destroy_process_group: a name
+# enables only the very object it was enabled for. Weak: an enabled group that is destroyed is
+# freed, its sockets and threads with it (found by a README audit).
 _ENABLED_GROUPS: dict = {}
+
+
+def _ref(pg):
+    if pg is None:
+        return None
+    try:
+        return weakref.ref(pg)
+    except TypeError:  # an object that takes no weak reference: held
+        return lambda: pg
 
 
 def _resolve(name: str):
@@ -189,18 +201,21 @@ def enable_symm_mem_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> No
     """
     name = _name(group_name)
     # A name not (yet) registered binds to the first group that resolves it.
-    _ENABLED_GROUPS[name] = group_name if not isinstance(group_name, str) else _resolve(name)
+    _ENABLED_GROUPS[name] = _ref(group_name if not isinstance(group_name, str) else _resolve(name))
 
 
 def is_symm_mem_enabled_for_group(group_name: Union[str, "dist.ProcessGroup"]) -> bool:
     name = _name(group_name)
     if name not in _ENABLED_GROUPS:
         return False
-    pg, now = _ENABLED_GROUPS[name], _resolve(name)
-    if pg is None:
-        if now is None:
-            return True
-        _ENABLED_GROUPS[name] = pg = now
+    ref, now = _ENABLED_GROUPS[name], _resolve(name)
+    if ref is None:
+        if now is not None:
+            _ENABLED_GROUPS[name] = _ref(now)
+        return True
+    pg = ref()
+    if pg is None:  # the enabled group is gone: its name does not enable a later group
+        return now is None
     return now is None or now is pg
 
 

@@ -330,7 +330,7 @@ def exchange_collective(payload: bytes, group_name: str, what: str) -> List[byte
 
 
 # Groups whose collectives timed out part-way (a gloo op left pending pairs with the next one):
-# id(pg) -> (pg, message). Every later call on such a group raises at once, before communicating.
+# pg -> message. Every later call on such a group raises at once, before communicating.
 BROKEN = PerGroup()
 
 

@@ -2,14 +2,16 @@
 (session 21, helper-53): AOTAutograd keys its cache entry when the forward compiles (pass off)
 and stores it once the backward has compiled. A fused backward was stored under the pass-off
 key, so later processes that never enable the pass loaded a backward calling torch.ops.mptp, and
-one that never imported the package failed in backward(). Such a backward now stays unfused, as
-its forward's compile saw the pass; a forward compiled with the pass still gets a fused lazy
-backward. One process per phase, one cache dir, a fake group of 2 (no data moves)."""
+one that never imported the package failed in backward(). A backward whose forward the pass did
+not see is now fused but never cached; a forward compiled with the pass still gets a fused lazy
+backward, cached. One process per phase, one cache dir, a fake group of 2 (no data moves)."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 _SCRIPT = r"""
 import json, sys
@@ -52,20 +54,38 @@ if phase == "empty_forward":
 counters.clear()
 err = None
 fw_calls = 0
+cfg = torch._inductor.config
 try:
-    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False):
-        if phase in ("on", "empty_forward"):
+    with cfg.patch(fx_graph_cache=True, force_disable_caches=False):
+        if phase in ("on", "empty_forward", "patch_off", "thread_fw"):
             mptp_kernels.enable_micro_pipeline_tp()
-        y = torch.compile(f)(x, w1, w2)
+        if phase == "patch_off":  # enabled, but the slot patched empty while the forward compiles
+            with cfg.patch(post_grad_custom_post_pass=None):
+                y = torch.compile(f)(x, w1, w2)
+        elif phase == "thread_fw":  # the forward compiles on another thread (config is per thread there)
+            import threading
+
+            box = {}
+
+            def go():
+                with cfg.patch(fx_graph_cache=True, force_disable_caches=False):
+                    box["y"] = torch.compile(f)(x, w1, w2)
+
+            t = threading.Thread(target=go)
+            t.start()
+            t.join()
+            y = box["y"]
+        else:
+            y = torch.compile(f)(x, w1, w2)
         fw_calls = len(calls)
-        if phase == "poison":
+        if phase == "poison":  # the forward compiled with the pass off; the backward inside the block
             with mptp_kernels.enable_micro_pipeline_tp():
                 y.sum().backward()
         else:
             y.sum().backward()
 except Exception as e:
     err = f"{type(e).__name__}: {e}"[:300]
-print("RESULT " + json.dumps({"fw_calls": fw_calls if err is None else None, "bw_calls": len(calls) - (fw_calls if err is None else 0), "err": err, "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+print("RESULT " + json.dumps({"fw_calls": fw_calls, "bw_calls": len(calls) - fw_calls, "err": err, "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
       "aot_saved": counters["aot_autograd"]["autograd_cache_saved"]}))
 """
 
@@ -79,19 +99,22 @@ def _run(cache_dir, phase):
     return json.loads(line[len("RESULT ") :])
 
 
-def test_a_pass_enabled_after_the_forward_compiled_leaves_the_cached_backward_unfused(tmp_path):
-    poison = _run(tmp_path, "poison")
-    assert poison["err"] is None and poison["aot_saved"] == 1, poison
-    assert poison["bw_calls"] == 0, poison  # the backward stays as its forward's compile saw the pass: off
-    for phase in ("plain", "noimport"):
-        r = _run(tmp_path, phase)
-        assert r["aot_hit"] == 1, r  # the entry the first process stored
+@pytest.mark.parametrize("phase", ["poison", "patch_off", "thread_fw"])
+def test_a_backward_whose_forward_the_pass_did_not_see_is_never_cached(tmp_path, phase):
+    # poison: the pass enabled between the forward's compile and the backward's; patch_off: the
+    # slot patched empty while the forward compiled; thread_fw: the forward compiled on a thread
+    # the enable did not reach (helper-56). The backward is fused, but no AOTAutograd entry is
+    # stored that a process without the pass (or without the package) could load.
+    first = _run(tmp_path, phase)
+    assert first["err"] is None and first["fw_calls"] == 0 and first["aot_saved"] == 0, first
+    for reader in ("plain", "noimport"):
+        r = _run(tmp_path, reader)
         assert r["err"] is None and r["bw_calls"] == 0, r  # (noimport: no torch.ops.mptp to call)
 
 
 def test_a_forward_compiled_with_the_pass_still_gets_a_fused_lazy_backward(tmp_path):
     r = _run(tmp_path, "on")
-    assert r["err"] is None and r["fw_calls"] == 2 and r["bw_calls"] == 2, r
+    assert r["err"] is None and r["fw_calls"] == 2 and r["bw_calls"] == 2 and r["aot_saved"] == 1, r
 
 
 def test_a_forward_with_no_call_compiled_with_the_pass_gets_a_fused_lazy_backward(tmp_path):
