@@ -11,14 +11,21 @@ AssertionError carrying every failing rank's traceback. Every wait is bounded.
 import contextlib
 import os
 import queue
+import signal
 import sys
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 
 def _worker(rank, world_size, store_path, backend, sys_path, env, tasks, results):
+    import faulthandler
+
+    # NOTE: a rank killed by a signal (a crash in native code, glibc's abort on a corrupted heap)
+    # prints every thread's Python stack, so the test's output shows what each was running.
+    faulthandler.enable(all_threads=True)
     sys.path[:] = sys_path
     os.environ.update(env)
     import torch
@@ -42,6 +49,13 @@ def _worker(rank, world_size, store_path, backend, sys_path, env, tasks, results
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+
+
+def _exit_name(code) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 class Workers:
@@ -91,18 +105,37 @@ class Workers:
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, {}
+        answered: set = set()
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
         for _ in range(self.world_size):
-            try:
-                rank, ok, value = self._results.get(timeout=timeout_s or self.timeout_s)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                answered = sorted(set(errors) | {r for r, v in enumerate(out) if v is not None})
-                msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-                self._restart()  # the next run starts clean
-                raise AssertionError(
-                    f"{fn.__name__}: no answer from every rank within {timeout_s or self.timeout_s}s "
-                    f"(answered: {answered}, dead ranks: {dead}; the workers were restarted)\n{msg}"
-                ) from None
+            while True:
+                try:
+                    rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    # A rank that died (a signal, an exit) never answers: fail now, naming how it
+                    # died, instead of after the whole timeout.
+                    dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+                    if time.monotonic() < deadline and not (set(dead) - answered):
+                        continue
+                    if dead and time.monotonic() < deadline:
+                        time.sleep(1.0)  # answers already on their way still arrive
+                        with contextlib.suppress(queue.Empty):
+                            while True:
+                                r, ok, value = self._results.get(timeout=0.5)
+                                answered.add(r)
+                                if not ok:
+                                    errors[r] = value
+                    msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                    self._restart()  # the next run starts clean
+                    how = ", ".join(f"rank {r}: {_exit_name(c)}" for r, c in sorted(dead.items()))
+                    what = f"rank(s) died ({how})" if dead else f"no answer from every rank within {limit}s"
+                    raise AssertionError(
+                        f"{fn.__name__}: {what} (answered: {sorted(answered)}, dead ranks: {sorted(dead)}; "
+                        f"the workers were restarted)\n{msg}"
+                    ) from None
+            answered.add(rank)
             if ok:
                 out[rank] = value
             else:
