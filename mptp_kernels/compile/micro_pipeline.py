@@ -120,7 +120,30 @@ def _shapes_ok(*vals) -> bool:
 # A gather of the last (K) dim is rewritten only where the shard's K is at least this (PyTorch's
 # pass: smaller ones are too small to decompose).
 LAST_DIM_MIN_K = 1024
-_SYMBOLIC_WHY = "symbolic shapes other than the rows of a 2-D A, or a size that may be 0 or 1"
+_SYMBOLIC_WHY = ("symbolic shapes other than the rows of a 2-D A, or a size that may be 0 or 1 "
+                 "(torch.compile(dynamic=False) fuses it, one compile per shape)")
+_SYMBOLIC_SPLIT_WHY = (
+    "dynamic shapes: the collective's tensor is cut into pieces of symbolic size (the gather or "
+    "scatter of a dim > 0 of a tensor whose sizes are symbolic, e.g. the sequence dim of "
+    "[batch, seq, hidden]); only a dim-0 gather or scatter of a 2-D [tokens, hidden] tensor is "
+    "fused with symbolic shapes (torch.compile(dynamic=False) fuses it, one compile per shape)"
+)
+
+
+def _cut_symbolically(src: fx.Node, W: int) -> bool:
+    """src has symbolic sizes and is cut into W equal pieces along one dim, by a split or by W
+    slices: funcol's reassembly of a gather or scatter on a dim > 0, which _pieces_in_order
+    matches only with static sizes (comparing symbolic ones would install a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    v, users = _val(src), list(src.users)
+    if not isinstance(v, torch.Tensor) or _static(v) or not users:
+        return False
+    if len(users) == 1 and users[0].target in _SPLITS:
+        split = users[0]
+        size, d = _val(split.args[1]) if isinstance(split.args[1], fx.Node) else split.args[1], _arg(split, 2, "dim", 0)
+        return isinstance(size, (int, torch.SymInt)) and statically_known_true(size * W == v.shape[d % v.dim()])
+    return len(users) == W and all(u.target is aten.slice.Tensor for u in users)
 
 
 def _not_0_or_1(v: torch.Tensor) -> bool:
@@ -589,6 +612,10 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
         if pre_pieces is not None:
             nodes.append(pre_view)
             src, pieces = _skip_aliases(pre_view, nodes), pre_pieces
+    if pieces is None and _cut_symbolically(src, W):
+        # NOTE: found by a hostile review: reported as a dim-0 gather refused for its shapes,
+        # while the gather was on dim 1 (the split's symbolic sizes are not matched).
+        raise _Reject(_SYMBOLIC_SPLIT_WHY)
     if pieces is None:
         # gather_dim 0: A is the waited tensor (maybe viewed back from bytes).
         res, view_dtype = src, None
@@ -800,6 +827,11 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
                 if found is not None and getitems == pieces:
                     nodes, dim, inp = [*found, inp, *nodes], d, src
                     break
+            else:
+                if _cut_symbolically(src, W):
+                    # NOTE: found by a hostile review: reported as "its input is not a matmul (it
+                    # is aten.cat)", while the cause was the pieces' symbolic sizes.
+                    raise _Reject(_SYMBOLIC_SPLIT_WHY)
     return _ReduceScatter(rs, waits[0], inp, dim, reduce_op, group_name, nodes)
 
 

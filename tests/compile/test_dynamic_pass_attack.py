@@ -439,6 +439,55 @@ def _raw_rs_odd_rows():
     )
 
 
+def _sequence_dim(dynamic):
+    """A [batch, seq, hidden] tensor gathered and scattered on the sequence dim (funcol's split +
+    cat around the dim-0 collective: torchtitan's sequence parallelism). Static shapes: both fuse
+    (dim 1). Symbolic ones: neither, and the decisions say why (found by a hostile review: the
+    gather was reported as one on dim 0, the reduce-scatter as "its input is not a matmul (it is
+    aten.cat)"). Values equal eager either way."""
+    import torch.distributed._functional_collectives as funcol
+    from utils import assert_matmul_close, randn
+
+    g, r = dist.group.WORLD.group_name, dist.get_rank()
+    mptp_kernels.enable_symm_mem_for_group(g)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+    def f(x, w1, w2):
+        h = gather(x, 1, g) @ w1
+        return scatter(h @ w2, "sum", 1, g)
+
+    cfg = torch._inductor.config
+    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+    errors, decisions = [], []
+    torch._dynamo.reset()
+    with cfg.patch(fast), recording(decisions), mptp_kernels.enable_micro_pipeline_tp():
+        cf = torch.compile(f, fullgraph=True, dynamic=dynamic)
+        for B, S in ((2, 4), (3, 6)):
+            args = (randn((B, S, 32), 7 * B + S + r), randn((32, 16), 1), randn((16, 32), 2))
+            out, eager = cf(*args), f(*args)
+            try:
+                assert out.shape == eager.shape == (B, S, 32)
+                assert_matmul_close(out, f(*[a.double() for a in args]), eager, what=f"B={B} S={S}")
+            except AssertionError as e:
+                errors.append(str(e))
+    got = [(d.kind, d.dim, d.fused) for d in decisions]
+    if dynamic:
+        want = [("all-gather", None, False), ("reduce-scatter", None, False)]
+        errors += [f"no reason given: {d}" for d in decisions
+                   if "cut into pieces of symbolic size" not in d.detail or "dynamic=False" not in d.detail]  # fmt: skip
+    else:  # one compile per shape, each fused
+        want = [("all-gather", 1, True), ("reduce-scatter", 1, True)] * 2
+    if got != want:
+        errors.append(f"decisions {[str(d) for d in decisions]}, expected {want}")
+    return errors
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_sequence_dim_of_3d_fuses_static_and_says_why_not_symbolic(workers2, dynamic):
+    _assert_ranks_ok(workers2.run(_sequence_dim, dynamic, timeout_s=300))
+
+
 def _assert_ranks_ok(results):
     failures = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not failures, "\n".join(failures)
