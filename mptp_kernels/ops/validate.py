@@ -196,27 +196,51 @@ def _bmm_supports(dtype: torch.dtype) -> bool:
     return _cpu_kernel_takes(_CPU_BMM, dtype, torch.bmm, 3)
 
 
-def _folds(A) -> bool:
-    """torch.matmul(A, B) with A of 3+ dims and B of 2 runs one mm on A's view as a matrix where
-    its leading dims are one run of memory (ATen's should_fold), else a bmm."""
+def _folds_by(A, skip_ones: bool) -> bool:
     if A.numel() == 0:
         return True
-    # (size-1 dims take no part: their strides are arbitrary, and a view ignores them)
-    lead = [(n, st) for n, st in zip(A.shape[:-1], A.stride()[:-1]) if n != 1]
+    lead = [(n, st) for n, st in zip(A.shape[:-1], A.stride()[:-1]) if not (skip_ones and n == 1)]
     return all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+
+
+_STRICT_FOLD: dict = {}  # dtype -> whether this torch's should_fold counts size-1 dims' strides
+
+
+def _folds(A) -> bool:
+    """torch.matmul(A, B) with A of 3+ dims and B of 2 runs one mm on A's view as a matrix where
+    its leading dims are one run of memory (ATen's should_fold), else a bmm. Size-1 dims: torch
+    2.14 ignores their strides, 2.13 counts them (found on torch 2.13: an FP8 A [3, 2, 1, 4] with
+    strides (8, 4, 8, 1) was handed on as it was, and torch.matmul raised for want of an FP8 bmm);
+    where the two rules disagree, this torch's is probed once per dtype."""
+    lenient = _folds_by(A, skip_ones=True)
+    if lenient == _folds_by(A, skip_ones=False):
+        return lenient
+    strict = _STRICT_FOLD.get(A.dtype)
+    if strict is None:
+        try:
+            with real_mode():
+                z = torch.zeros(24, dtype=A.dtype, device="cpu")
+                torch.matmul(z.as_strided((3, 2, 1, 4), (8, 4, 8, 1)), z[:20].view(4, 5))
+            strict = False
+        except (RuntimeError, NotImplementedError, TypeError):
+            strict = True
+        _STRICT_FOLD[A.dtype] = strict
+    return not strict
 
 
 def matmul_operand(A):
     """A as the reference hands it to torch.matmul(A, B) (as PyTorch's fallback does): itself,
     except on the CPU where an A of 3+ dims whose leading dims are not one run of memory would take
     bmm, which some dtypes lack where mm has them (FP8: found by a hostile fuzzer, a
-    NotImplementedError after the collective): then A.contiguous(), what ATen's own fold does
+    NotImplementedError after the collective): then a contiguous copy, what ATen's own fold does
     (a copy, then one mm: the same bits). Not a refusal: a compile re-runs this on fake tensors
     whose B no longer requires grad, where ATen folds anyway (found by a hostile review)."""
     if (isinstance(A, torch.Tensor) and A.device.type == "cpu" and A.dim() > 2
             and all(type(n) is int for n in A.shape) and all(type(n) is int for n in A.stride())
-            and not _folds(A) and not _bmm_supports(A.dtype)):  # fmt: skip
-        return A.contiguous()
+            and not _bmm_supports(A.dtype) and not _folds(A)):  # fmt: skip
+        # NOTE: a copy with every stride canonical: A.contiguous() returns A itself where only a
+        # size-1 dim's stride is off, which torch 2.13 still takes to bmm.
+        return A.clone(memory_format=torch.contiguous_format)
     return A
 
 
