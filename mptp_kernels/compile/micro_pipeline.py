@@ -131,9 +131,10 @@ _SYMBOLIC_SPLIT_WHY = (
 
 
 def _cut_symbolically(src: fx.Node, W: int) -> bool:
-    """src has symbolic sizes and is cut into W equal pieces along one dim, by a split or by W
-    slices: funcol's reassembly of a gather or scatter on a dim > 0, which _pieces_in_order
-    matches only with static sizes (comparing symbolic ones would install a guard)."""
+    """src has symbolic sizes and is cut into W equal pieces along one dim (a split, or W slices)
+    that one cat joins again along another dim: funcol's reassembly of a gather or scatter on a
+    dim > 0, which _pieces_in_order matches only with static sizes (comparing symbolic ones would
+    install a guard). Pieces used otherwise (a user's own split of a gathered tensor) are not."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     v, users = _val(src), list(src.users)
@@ -142,8 +143,21 @@ def _cut_symbolically(src: fx.Node, W: int) -> bool:
     if len(users) == 1 and users[0].target in _SPLITS:
         split = users[0]
         size, d = _val(split.args[1]) if isinstance(split.args[1], fx.Node) else split.args[1], _arg(split, 2, "dim", 0)
-        return isinstance(size, (int, torch.SymInt)) and statically_known_true(size * W == v.shape[d % v.dim()])
-    return len(users) == W and all(u.target is aten.slice.Tensor for u in users)
+        if not (isinstance(size, (int, torch.SymInt)) and statically_known_true(size * W == v.shape[d % v.dim()])):
+            return False
+        pieces = list(split.users)
+    elif len(users) == W and all(u.target is aten.slice.Tensor for u in users):
+        pieces, d = users, _arg(users[0], 1, "dim", 0)
+        if any(_arg(u, 1, "dim", 0) % v.dim() != d % v.dim() or _arg(u, 4, "step", 1) != 1 for u in users):
+            return False
+    else:
+        return False
+    cats = {_single_user(p) for p in pieces}
+    if len(pieces) != W or len(cats) != 1:
+        return False
+    (cat,) = cats
+    return (cat is not None and cat.target is aten.cat.default and set(cat.args[0]) == set(pieces)
+            and _arg(cat, 1, "dim", 0) % v.dim() != d % v.dim())  # fmt: skip
 
 
 def _not_0_or_1(v: torch.Tensor) -> bool:

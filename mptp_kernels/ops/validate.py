@@ -140,7 +140,7 @@ _CPU_MATMUL: dict = {}
 
 
 def real_mode():
-    """What an eager call runs on: no dispatch mode (fake, proxy, functional) and no Python
+    """What an eager call runs on: no dispatch mode (fake, proxy, functional), no torch-function mode and no Python
     dispatcher (on while torch.compile and make_fx trace). For probes whose answer is kept for
     every later call: a trace must not fill such a cache with its own answer (found by a hostile
     review: a matmul probed under a FakeTensorMode succeeded for dtypes the CPU refuses, and views
@@ -155,6 +155,9 @@ def real_mode():
     no_python_dispatcher = getattr(torch._C, "_DisablePythonDispatcher", None)
     if no_python_dispatcher is not None:
         stack.enter_context(no_python_dispatcher())
+    # (nor a torch-function mode: one that upcast torch.matmul made an FP8 probe succeed, a
+    # hostile review)
+    stack.enter_context(torch._C.DisableTorchFunction())
     return stack
 
 

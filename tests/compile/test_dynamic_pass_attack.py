@@ -193,6 +193,25 @@ def test_symbolic_traces_fuse_or_not_without_a_guard(fake2):
     assert not errors, "\n".join(errors)
 
 
+def test_a_users_own_pieces_of_a_gather_are_not_called_a_symbolic_reassembly(fake2):
+    """A gathered tensor the user cuts (per-rank pieces, two overlapping slices) and multiplies
+    piece by piece: not fused, with or without symbolic sizes, and never given the symbolic
+    reassembly's reason and its advice (dynamic=False does not fuse these: a hostile review)."""
+    g = fake2
+
+    def per_rank_pieces(x, w):
+        return [p @ w for p in _ag(x, g).split(x.shape[0])]
+
+    def two_slices(x, w):
+        A = _ag(x, g)
+        return A[:, :20] @ w[:20], A[:, 8:] @ w[8:]
+
+    for f in (per_rank_pieces, two_slices):
+        decisions = _pass_without_guards(f, torch.rand(8, 32), torch.rand(32, 16))
+        assert _fused(decisions) == [("all-gather", False)], [str(d) for d in decisions]
+        assert "cut into pieces of symbolic size" not in decisions[0].detail, str(decisions[0])
+
+
 # ---------------------------------------------------------------- torch.compile in this process (W = 1)
 
 

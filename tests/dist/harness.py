@@ -51,6 +51,9 @@ def _worker(rank, world_size, store_path, backend, sys_path, env, tasks, results
     dist.destroy_process_group()
 
 
+_GRACE_S = 15.0  # how long the other ranks may still answer once one has died
+
+
 def _exit_name(code) -> str:
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
@@ -108,33 +111,29 @@ class Workers:
         answered: set = set()
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
-        for _ in range(self.world_size):
-            while True:
-                try:
-                    rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-                    break
-                except queue.Empty:
-                    # A rank that died (a signal, an exit) never answers: fail now, naming how it
-                    # died, instead of after the whole timeout.
-                    dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
-                    if time.monotonic() < deadline and not (set(dead) - answered):
-                        continue
-                    if dead and time.monotonic() < deadline:
-                        time.sleep(1.0)  # answers already on their way still arrive
-                        with contextlib.suppress(queue.Empty):
-                            while True:
-                                r, ok, value = self._results.get(timeout=0.5)
-                                answered.add(r)
-                                if not ok:
-                                    errors[r] = value
-                    msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-                    self._restart()  # the next run starts clean
-                    how = ", ".join(f"rank {r}: {_exit_name(c)}" for r, c in sorted(dead.items()))
-                    what = f"rank(s) died ({how})" if dead else f"no answer from every rank within {limit}s"
-                    raise AssertionError(
-                        f"{fn.__name__}: {what} (answered: {sorted(answered)}, dead ranks: {sorted(dead)}; "
-                        f"the workers were restarted)\n{msg}"
-                    ) from None
+        died_at = None
+        while len(answered) < self.world_size:
+            now = time.monotonic()
+            # A rank that died without answering never will: the others get a grace period to
+            # report (their errors name the dead peer), then the run fails, naming how it died,
+            # instead of waiting for the whole timeout.
+            dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive() and r not in answered}
+            died_at = (died_at or now) if dead else None
+            end = deadline if died_at is None else min(deadline, died_at + _GRACE_S)
+            if now >= end:
+                msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                gone = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self._restart()  # the next run starts clean
+                how = ", ".join(f"rank {r}: {_exit_name(c)}" for r, c in sorted(dead.items()))
+                what = f"rank(s) died ({how})" if dead else f"no answer from every rank within {limit}s"
+                raise AssertionError(
+                    f"{fn.__name__}: {what} (answered: {sorted(answered)}, dead ranks: {gone}; "
+                    f"the workers were restarted)\n{msg}"
+                ) from None
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.01, min(1.0, end - now)))
+            except queue.Empty:
+                continue
             answered.add(rank)
             if ok:
                 out[rank] = value

@@ -1,34 +1,59 @@
-"""The multi-process harness itself: a run that times out fails the test, says which ranks
-answered and what they raised, and leaves fresh workers for the next test (a rank still inside
-the timed-out run would otherwise take the next test's task late, or never)."""
+"""The multi-process harness itself: a rank that dies fails its run at once, naming the signal,
+with the survivors' errors; a rank that answered and then exited is not blamed for a hang."""
 
+import os
 import time
 
-import torch.distributed as dist
-
+import pytest
 from dist.harness import Workers
 
 
-def _one_rank_stuck():
-    if dist.get_rank() == 0:
-        time.sleep(1000)
-    raise ValueError("rank 1 gave up")
+def _die_or_raise_late():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.abort()
+    time.sleep(2)  # the survivor learns of its peer's death a little later
+    raise ValueError("rank 0 saw its peer die")
+
+
+def _answer_then_exit_while_other_hangs():
+    import threading
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        threading.Timer(0.5, os._exit, (0,)).start()
+        return "rank 1 answered"
+    time.sleep(30)
 
 
 def _rank():
+    import torch.distributed as dist
+
     return dist.get_rank()
 
 
-def test_a_timed_out_run_reports_the_answers_and_restarts_the_workers():
+@pytest.fixture
+def fresh2():
     w = Workers(2)
-    try:
-        assert w.run(_rank, timeout_s=120) == [0, 1]  # started (spawn and imports take seconds)
-        try:
-            w.run(_one_rank_stuck, timeout_s=5)
-        except AssertionError as e:
-            assert "answered: [1]" in str(e) and "rank 1 gave up" in str(e), e
-        else:
-            raise AssertionError("the stuck run did not time out")
-        assert w.run(_rank, timeout_s=60) == [0, 1]
-    finally:
-        w.close()
+    yield w
+    w.close()
+
+
+def test_a_dead_rank_fails_the_run_at_once_with_the_survivors_errors(fresh2):
+    t = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        fresh2.run(_die_or_raise_late, timeout_s=120)
+    msg = str(e.value)
+    assert time.monotonic() - t < 60, msg
+    assert "rank 1: killed by SIGABRT" in msg and "dead ranks: [1]" in msg, msg
+    assert "ValueError: rank 0 saw its peer die" in msg, msg
+    assert fresh2.run(_rank) == [0, 1]  # restarted clean
+
+
+def test_a_rank_that_answered_is_not_blamed_for_a_hang(fresh2):
+    assert fresh2.run(_rank) == [0, 1]  # started (the timeout below counts from the call)
+    with pytest.raises(AssertionError, match=r"no answer from every rank within 10s \(answered: \[1\]"):
+        fresh2.run(_answer_then_exit_while_other_hangs, timeout_s=10)
+    assert fresh2.run(_rank) == [0, 1]

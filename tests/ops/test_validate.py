@@ -389,3 +389,37 @@ def test_the_matmul_operand_is_a_copy_exactly_where_torch_matmul_would_take_a_mi
                     assert torch.equal(torch.matmul(validate.matmul_operand(A), Bg), torch.matmul(A, Bg))
                 seen[torch_ok] += 1
     assert seen[False] > 0 and seen[True] > 0, seen
+
+
+def test_kernel_probes_ignore_a_torch_function_mode():
+    """The per-dtype probes (CPU bmm, the fold rule) answer for eager calls even when first asked
+    under a TorchFunctionMode that changes the op (found by a hostile review: a mode upcasting
+    matmul made FP8 look supported, and later eager calls raised)."""
+    from torch.overrides import TorchFunctionMode
+
+    from mptp_kernels.ops import validate
+
+    class Upcast(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.bmm, torch.matmul, torch.Tensor.matmul):
+                args = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
+            return func(*args, **(kwargs or {}))
+
+    fp8 = torch.float8_e4m3fn
+    eager = validate._bmm_supports(fp8)
+    saved = dict(validate._CPU_BMM), dict(validate._STRICT_FOLD)
+    try:
+        validate._CPU_BMM.clear()
+        validate._STRICT_FOLD.clear()
+        A = torch.randn(3, 1, 2, 4).to(fp8).permute(0, 2, 1, 3)  # strides (8, 4, 8, 1)
+        with Upcast():
+            validate._bmm_supports(fp8)
+            validate._folds(A)
+        assert validate._CPU_BMM[fp8] == eager
+        op = validate.matmul_operand(A)
+        torch.matmul(op, torch.randn(4, 5).to(fp8))  # runs eagerly, whatever the probes saw
+    finally:
+        validate._CPU_BMM.clear()
+        validate._CPU_BMM.update(saved[0])
+        validate._STRICT_FOLD.clear()
+        validate._STRICT_FOLD.update(saved[1])
