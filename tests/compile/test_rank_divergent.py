@@ -201,14 +201,19 @@ def test_the_group_timeout_is_looked_up_once_per_group(pg1):
     pg = dist.new_group([0], timeout=datetime.timedelta(seconds=3))
     assert env.group_timeout_s(pg) == 3.0
     lookups = []
-    real = type(pg)._get_backend
+    cls = type(pg)
+    # NOTE: restored as the class held it: `cls._get_backend` read off the class is pybind's bare
+    # function, which set back on the class no longer binds self, and every later
+    # pg._get_backend(device) in the process failed (torch 2.13's FX cache calls it on a hit).
+    saved = cls.__dict__.get("_get_backend")
+    real = cls._get_backend
 
     def counting(self, dev):
         lookups.append(dev)
         return real(self, dev)
 
     try:
-        type(pg)._get_backend = counting
+        cls._get_backend = counting
         assert env.group_timeout_s(pg) == 3.0 and env.group_timeout_s(pg, "cuda") is not None
         n = len(lookups)
         assert env.group_timeout_s(pg) == 3.0 and env.group_timeout_s(pg, "cuda") == 3.0
@@ -216,6 +221,10 @@ def test_the_group_timeout_is_looked_up_once_per_group(pg1):
         other = dist.new_group([0], timeout=datetime.timedelta(seconds=5))
         assert env.group_timeout_s(other) == 5.0
     finally:
-        type(pg)._get_backend = real
+        if saved is not None:
+            cls._get_backend = saved
+        else:
+            del cls._get_backend
+    assert pg._get_backend(torch.device("cpu")) is not None  # binds again
     dist.destroy_process_group(other)
     dist.destroy_process_group(pg)
