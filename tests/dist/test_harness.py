@@ -1,10 +1,14 @@
-"""The multi-process harness itself: a rank that dies fails its run at once, naming the signal,
-with the survivors' errors; a rank that answered and then exited is not blamed for a hang."""
+"""The multi-process harness itself: a run that times out fails the test, says which ranks
+answered and what they raised, and leaves fresh workers for the next test (a rank still inside
+the timed-out run would otherwise take the next test's task late, or never); a rank that dies
+fails its run at once, naming the signal, with the survivors' errors; a rank that answered and
+then exited is not blamed for a hang."""
 
 import os
 import time
 
 import pytest
+
 from dist.harness import Workers
 
 
@@ -32,6 +36,29 @@ def _rank():
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+def _one_rank_stuck():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(1000)
+    raise ValueError("rank 1 gave up")
+
+
+def test_a_timed_out_run_reports_the_answers_and_restarts_the_workers():
+    w = Workers(2)
+    try:
+        assert w.run(_rank, timeout_s=120) == [0, 1]  # started (spawn and imports take seconds)
+        try:
+            w.run(_one_rank_stuck, timeout_s=5)
+        except AssertionError as e:
+            assert "answered: [1]" in str(e) and "rank 1 gave up" in str(e), e
+        else:
+            raise AssertionError("the stuck run did not time out")
+        assert w.run(_rank, timeout_s=60) == [0, 1]
+    finally:
+        w.close()
 
 
 @pytest.fixture
