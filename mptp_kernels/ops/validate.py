@@ -161,16 +161,20 @@ def real_mode():
     return stack
 
 
-def _cpu_kernel_takes(cache: dict, dtype: torch.dtype, op, dims: int) -> bool:
-    """Whether torch's CPU `op` multiplies two 1-element tensors of `dims` dims of `dtype`
-    (remembered per dtype in `cache`; probed as an eager call would run it: a probe under a
-    fake mode would say yes to any dtype)."""
+def _cpu_kernel_takes(cache: dict, dtype: torch.dtype, op, dims: int, shape=None, strides=None) -> bool:
+    """Whether torch's CPU `op` multiplies two tensors of `dtype`: 1-element ones of `dims` dims,
+    or an A of `shape` and `strides` by a [shape[-1], 5] B (remembered per dtype in `cache`;
+    probed as an eager call would run it: a probe under a fake mode would say yes to any dtype)."""
     ok = cache.get(dtype)
     if ok is None:
         try:
             with real_mode():
-                z = torch.zeros((1,) * dims, dtype=dtype, device="cpu")
-                op(z, z)
+                if shape is None:
+                    z = torch.zeros((1,) * dims, dtype=dtype, device="cpu")
+                    op(z, z)
+                else:
+                    z = torch.zeros(64, dtype=dtype, device="cpu")
+                    op(z.as_strided(shape, strides), z[: 5 * shape[-1]].view(shape[-1], 5))
             ok = True
         except (RuntimeError, NotImplementedError, TypeError):
             ok = False
@@ -206,7 +210,7 @@ def _folds_by(A, skip_ones: bool) -> bool:
     return all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
 
 
-_STRICT_FOLD: dict = {}  # dtype -> whether this torch's should_fold counts size-1 dims' strides
+_LENIENT_FOLD: dict = {}  # dtype -> whether this torch's should_fold ignores size-1 dims' strides
 
 
 def _folds(A) -> bool:
@@ -214,21 +218,12 @@ def _folds(A) -> bool:
     its leading dims are one run of memory (ATen's should_fold), else a bmm. Size-1 dims: torch
     2.14 ignores their strides, 2.13 counts them (found on torch 2.13: an FP8 A [3, 2, 1, 4] with
     strides (8, 4, 8, 1) was handed on as it was, and torch.matmul raised for want of an FP8 bmm);
-    where the two rules disagree, this torch's is probed once per dtype."""
+    where the two rules disagree, this torch's is probed once per dtype (on a dtype without a
+    CPU bmm, where the rule decides whether the matmul runs)."""
     lenient = _folds_by(A, skip_ones=True)
     if lenient == _folds_by(A, skip_ones=False):
         return lenient
-    strict = _STRICT_FOLD.get(A.dtype)
-    if strict is None:
-        try:
-            with real_mode():
-                z = torch.zeros(24, dtype=A.dtype, device="cpu")
-                torch.matmul(z.as_strided((3, 2, 1, 4), (8, 4, 8, 1)), z[:20].view(4, 5))
-            strict = False
-        except (RuntimeError, NotImplementedError, TypeError):
-            strict = True
-        _STRICT_FOLD[A.dtype] = strict
-    return not strict
+    return _cpu_kernel_takes(_LENIENT_FOLD, A.dtype, torch.matmul, 4, (3, 2, 1, 4), (8, 4, 8, 1))
 
 
 def matmul_operand(A):

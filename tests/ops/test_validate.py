@@ -407,10 +407,10 @@ def test_kernel_probes_ignore_a_torch_function_mode():
 
     fp8 = torch.float8_e4m3fn
     eager = validate._bmm_supports(fp8)
-    saved = dict(validate._CPU_BMM), dict(validate._STRICT_FOLD)
+    saved = dict(validate._CPU_BMM), dict(validate._LENIENT_FOLD)
     try:
         validate._CPU_BMM.clear()
-        validate._STRICT_FOLD.clear()
+        validate._LENIENT_FOLD.clear()
         A = torch.randn(3, 1, 2, 4).to(fp8).permute(0, 2, 1, 3)  # strides (8, 4, 8, 1)
         with Upcast():
             validate._bmm_supports(fp8)
@@ -421,5 +421,5 @@ def test_kernel_probes_ignore_a_torch_function_mode():
     finally:
         validate._CPU_BMM.clear()
         validate._CPU_BMM.update(saved[0])
-        validate._STRICT_FOLD.clear()
-        validate._STRICT_FOLD.update(saved[1])
+        validate._LENIENT_FOLD.clear()
+        validate._LENIENT_FOLD.update(saved[1])
