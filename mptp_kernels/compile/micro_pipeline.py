@@ -24,8 +24,13 @@ NOTE: the invariant. A node is replaced only by a value of exactly its shape and
 strides. Each rewrite builds its replacement, evaluates every new node on the
 graph's fake tensors (the ops' fake impls are their reference code), restrides with
 force_stride_order where only the strides differ, and compares with the replaced
-node's meta["val"]. Anything it cannot prove (a shape or dtype mismatch, symbolic
-shapes, a failing fake impl) erases what it built and leaves the graph untouched.
+node's meta["val"]. Anything it cannot prove (a shape or dtype mismatch, a failing
+fake impl, a symbolic size equal only under a guard) erases what it built and leaves
+the graph untouched. Symbolic sizes: compared only with statically_known_true (never a
+guard); one the rewrite must pass (a reshape's size, a stride) is a node of the graph
+(aten.sym_size.int of a tensor that stays, or Dynamo's symbol input), never a SymInt
+argument; a size read (aten.sym_size.int) of a node the rewrite erases is rebuilt from
+what stays, so nothing keeps the collective alive.
 
 Not fused (the reason is logged under MPTP_LOG=1 and returned by explain()):
 mixed matmul kinds on one all-gather; a matmul whose other arguments depend on the
@@ -37,16 +42,17 @@ a last-dim all-gather whose result has users besides the matmuls (it would be
 materialized, PyTorch skips it too); an FP8-output _scaled_mm (torch's CPU divides by
 scale_result and overflows to NaN where the ops multiply and saturate); a matmul whose B
 comes from a random draw (fallback_random) or a mutation that would have to move above
-another one to reach the fused op; symbolic shapes other than the row count of a
-2-D A (a dim-0 gather or scatter of [tokens, hidden]) or in a scaled reduce-scatter,
-symbolic sizes that may be 0 or 1 (x[:n] with a dynamic int n), and a symbolic scattered
-size not provably a multiple of the world size (each would need a guard); groups not enabled for
+another one to reach the fused op; symbolic shapes in a scaled reduce-scatter,
+symbolic sizes that may be 0 or 1 (x[:n] with a dynamic int n), a symbolic split whose
+pieces are not provably W equal ones, and a symbolic scattered size not provably a
+multiple of the world size (each would need a guard); groups not enabled for
 symmetric memory; with reorder_for_compute_comm_overlap on, collectives that an
 independent aten.mm hides (one mm hides one collective; as in PyTorch, addmm, bmm and
 _scaled_mm hide nothing).
 """
 
 import contextlib
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import List, Optional
@@ -109,24 +115,23 @@ def _static(v: torch.Tensor) -> bool:
 
 
 def _shapes_ok(*vals) -> bool:
-    """Static, or all 2-D: the symbolic form fused (dynamic=True; a dim-0 gather or scatter of
-    [tokens, hidden], as PyTorch's pass fuses it). Every rewrite of it must prove sizes equal
-    without a guard (_same_shape) and emit no node that would carry a SymInt argument."""
-    return all(_static(v) for v in vals) or (
-        all(v.dim() == 2 for v in vals) and all(_not_0_or_1(v) for v in vals)
-    )
+    """Static, or symbolic sizes known to be >= 2 (dynamic=True: [tokens, hidden] gathered on dim
+    0, [batch, seq, hidden] on the sequence dim, as PyTorch's pass fuses them). Every rewrite of
+    them must prove sizes equal without a guard (_same_shape) and pass a symbolic size as a node
+    of the graph (_Builder.size), never as a SymInt argument."""
+    return all(_static(v) for v in vals) or all(_not_0_or_1(v) for v in vals)
 
 
 # A gather of the last (K) dim is rewritten only where the shard's K is at least this (PyTorch's
 # pass: smaller ones are too small to decompose).
 LAST_DIM_MIN_K = 1024
-_SYMBOLIC_WHY = ("symbolic shapes other than the rows of a 2-D A, or a size that may be 0 or 1 "
-                 "(torch.compile(dynamic=False) fuses it, one compile per shape)")
+_SYMBOLIC_WHY = ("a symbolic size that may be 0 or 1 (e.g. x[:n] with a dynamic int n), which "
+                 "the rewrite would have to guard on (torch.compile(dynamic=False) fuses it, one "
+                 "compile per shape)")
 _SYMBOLIC_SPLIT_WHY = (
-    "dynamic shapes: the collective's tensor is cut into pieces of symbolic size (the gather or "
-    "scatter of a dim > 0 of a tensor whose sizes are symbolic, e.g. the sequence dim of "
-    "[batch, seq, hidden]); only a dim-0 gather or scatter of a 2-D [tokens, hidden] tensor is "
-    "fused with symbolic shapes (torch.compile(dynamic=False) fuses it, one compile per shape)"
+    "dynamic shapes: the collective's tensor is cut into pieces of symbolic size along one dim and "
+    "joined along another (a gather or scatter of a dim > 0), and the pieces are not provably W "
+    "equal ones in order without a guard (torch.compile(dynamic=False) fuses it, one compile per shape)"
 )
 
 
@@ -192,13 +197,41 @@ def _ancestors(nodes) -> set:
 
 def _is_dense(v: torch.Tensor) -> bool:
     """Non-overlapping and dense: some permutation of the dims is contiguous."""
-    dims = sorted((st, sz) for sz, st in zip(v.shape, v.stride()) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
+    return _is_dense_strides(v.shape, v.stride())
+
+
+# Symbolic sizes and strides are looked for among the products of at most this many dims.
+_MAX_SIZE_DIMS = 5
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _is_dense_strides(shape, stride) -> bool:
+    """Some order of the dims (outermost first) makes `stride` the contiguous strides of `shape`;
+    symbolic ones only where provably so (never a guard)."""
+    shape, stride = list(shape), list(stride)
+    if all(isinstance(x, int) for x in (*shape, *stride)):
+        dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
+        expected = 1
+        for st, sz in dims:
+            if st != expected:
+                return False
+            expected *= sz
+        return True
+    if len(shape) > _MAX_SIZE_DIMS:
+        return False
+    for order in itertools.permutations(range(len(shape))):
+        want, expected = [None] * len(shape), 1
+        for d in reversed(order):
+            want[d], expected = expected, expected * shape[d]
+        if _same_shape(want, stride):
+            return True
+    return False
 
 
 def _group_enabled(group_name: str) -> bool:
@@ -303,13 +336,72 @@ class _Builder:
             ) from None
         return n
 
-    def reshape(self, n: fx.Node, shape) -> fx.Node:
+    @contextlib.contextmanager
+    def before(self, node: fx.Node):
+        """Inserts before `node` instead of the anchor while inside."""
+        anchor, self.anchor = self.anchor, node
+        try:
+            yield
+        finally:
+            self.anchor = anchor
+
+    def size(self, want, sources, factors=(1,)):
+        """`want` as an int or as a node of the graph, never as a SymInt argument: a SymInt-valued
+        source, or the product of some dims of a tensor source (aten.sym_size.int nodes), times
+        one of `factors`, provably equal to it (no guard). Sources must come before the
+        insertion point. _Reject when none is."""
+        if isinstance(want, int):
+            return want
+        for src in sources:
+            v = _val(src)
+            if isinstance(v, torch.SymInt):
+                runs = [(None, v)]
+            elif isinstance(v, torch.Tensor) and v.dim() <= _MAX_SIZE_DIMS:
+                runs = [(dims, _prod(v.shape[d] for d in dims))
+                        for r in range(1, v.dim() + 1) for dims in itertools.combinations(range(v.dim()), r)]  # fmt: skip
+            else:
+                continue
+            for dims, got in runs:
+                for k in factors:
+                    if not isinstance(got * k, int) and _same_shape([got * k], [want]):
+                        return self._product(src, dims, k)
+        raise _Reject(f"no node of the graph gives the symbolic size {want} without a guard")
+
+    def _product(self, src: fx.Node, dims, k: int) -> fx.Node:
+        node, const = (src if dims is None else None), k
+        for d in dims or ():
+            s = _tval(src).shape[d]
+            if isinstance(s, int):
+                const *= s
+            else:
+                part = self.call(aten.sym_size.int, (src, d))
+                node = part if node is None else self.call(operator.mul, (node, part))
+        return node if const == 1 else self.call(operator.mul, (node, const))
+
+    def reshape(self, n: fx.Node, shape, sources=(), factors=(1,)) -> fx.Node:
+        """n reshaped to `shape`; symbolic sizes come from n's own dims or from `sources`."""
         if _same_shape(_tval(n).shape, shape):
             return n
-        if not all(isinstance(d, int) for d in shape):
-            # NOTE: a symbolic size would have to be a node of the graph, not a SymInt argument.
-            raise _Reject(f"a reshape to the symbolic shape {list(shape)}")
-        return self.call(aten.reshape.default, (n, list(shape)))
+        if all(isinstance(d, int) for d in shape):
+            return self.call(aten.reshape.default, (n, list(shape)))
+        # NOTE: a symbolic size must be a node of the graph, not a SymInt argument.
+        out = self.call(aten.reshape.default, (n, [self.size(d, [n, *sources], factors) for d in shape]))
+        if not _same_shape(_tval(out).shape, shape):
+            raise _Reject(f"a reshape to {list(shape)} gave {list(_tval(out).shape)}")
+        return out
+
+    def restride(self, n: fx.Node, stride, what: str) -> fx.Node:
+        """n (dense strides) with exactly the dense strides `stride`: force_stride_order, which
+        Inductor keeps (a clone's layout it may choose); symbolic strides as nodes of n's sizes."""
+        v = _tval(n)
+        if _same_shape(v.stride(), stride):
+            return n
+        if not _is_dense_strides(v.shape, stride):
+            raise _Reject(f"{what}: strides {list(stride)} are not dense, cannot restride to them")
+        n = self.call(inductor_prims.force_stride_order, (n, [self.size(s, [n]) for s in stride]))
+        if not _same_shape(_tval(n).stride(), stride):
+            raise _Reject(f"{what}: restrided to {_tval(n).stride()}, the graph has {stride}")
+        return n
 
     def like(self, n: fx.Node, ref: torch.Tensor, what: str) -> fx.Node:
         """`n` restrided to exactly `ref`'s strides; _Reject unless shape and dtype already match."""
@@ -318,16 +410,7 @@ class _Builder:
             raise _Reject(
                 f"{what}: the replacement is {v.dtype}{list(v.shape)}, the graph has {ref.dtype}{list(ref.shape)}"
             )
-        if _same_shape(v.stride(), ref.stride()):
-            return n
-        if not _static(ref):
-            raise _Reject(f"{what}: a restride to the symbolic strides {list(ref.stride())}")
-        if not _is_dense(ref):
-            raise _Reject(f"{what}: strides {ref.stride()} are not dense, cannot restride to them")
-        n = self.call(inductor_prims.force_stride_order, (n, list(ref.stride())))
-        if tuple(_tval(n).stride()) != tuple(ref.stride()):
-            raise _Reject(f"{what}: restrided to {_tval(n).stride()}, the graph has {ref.stride()}")
-        return n
+        return self.restride(n, ref.stride(), what)
 
     def rollback(self):
         for n in reversed(self.new):
@@ -366,6 +449,47 @@ def _erase_dead(graph: fx.Graph, nodes) -> None:
     ):
         if not n.users:
             graph.erase_node(n)
+
+
+def _size_sources(graph: fx.Graph, erased: set, before: fx.Node) -> list:
+    """The SymInt-valued nodes before `before` that do not depend on `erased` (Dynamo's symbol
+    inputs, sym_size nodes of tensors that stay, their products)."""
+    tainted, out = set(erased), []
+    for n in graph.nodes:
+        if n is before:
+            break
+        if n in tainted or any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+        elif isinstance(_val(n), torch.SymInt):
+            out.append(n)
+    return out
+
+
+def _rewire_sizes(b: "_Builder", erased: set, tensors: list, W: int) -> list:
+    """A size for each aten.sym_size.int that reads a node about to be erased (and is not erased
+    itself), built before it from `tensors` or the graph's SymInt nodes (times 1 or W);
+    returns (old, new) pairs; _Reject where one has none (the rewrite is then rolled back)."""
+    pairs, first = [], {x: i for i, x in enumerate(b.graph.nodes)}
+    for u in sorted({u for n in erased for u in n.users if u.target is aten.sym_size.int} - erased,
+                    key=first.__getitem__):  # fmt: skip
+        order = {x: i for i, x in enumerate(b.graph.nodes)}
+        srcs = [t for t in tensors if order[t] < order[u]] + _size_sources(b.graph, erased, u)
+        with b.before(u):
+            pairs.append((u, b.size(_val(u), srcs, factors=(1, W))))
+    return pairs
+
+
+def _apply_rewired(pairs) -> list:
+    """Points the users of each old size at its new one (a node, or an int for a static size)."""
+    for old, new in pairs:
+        if isinstance(new, fx.Node):
+            old.replace_all_uses_with(new)
+            continue
+        for user in list(old.users):
+            user.args, user.kwargs = torch.utils._pytree.tree_map_only(
+                fx.Node, lambda a: new if a is old else a, (user.args, user.kwargs)
+            )
+    return [old for old, _ in pairs]
 
 
 def _order_sensitive(n: fx.Node) -> bool:
@@ -524,7 +648,7 @@ def _reached_through_reshapes(res: fx.Node) -> list:
 
 def _fully_consumed(node: fx.Node, matmuls: set) -> bool:
     """True when every use of node is by one of the matmuls or by a reshape that itself is."""
-    for u in node.users:
+    for u in _users(node):
         if u in matmuls and u.args[0] is node:
             continue
         if u.target in _LOGICAL_RESHAPES and u.args[0] is node and _fully_consumed(u, matmuls):
@@ -560,25 +684,38 @@ def _skip_aliases(n: fx.Node, nodes: list) -> fx.Node:
     return n
 
 
+def _users(n: fx.Node) -> list:
+    """n's users other than aten.sym_size.int: a rewrite that erases n gives those a size from
+    what stays (_rewire_sizes); make_fx reads sizes so, where Dynamo passes symbols as inputs."""
+    return [u for u in n.users if u.target is not aten.sym_size.int]
+
+
 def _single_user(n: fx.Node) -> Optional[fx.Node]:
-    return next(iter(n.users)) if len(n.users) == 1 else None
+    users = _users(n)
+    return users[0] if len(users) == 1 else None
 
 
 def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[list]:
     """The W pieces of src along dim, in order, as split+getitem or slice nodes; None otherwise."""
-    # NOTE: symbolic sizes (dynamic=True) are not matched: split sizes are then nodes, and a
-    # comparison of SymInts would install a guard.
-    if not (isinstance(piece, int) and isinstance(_tval(src).shape[dim], int)):
-        return None
-    users = list(src.users)
+    # NOTE: symbolic sizes (dynamic=True) are matched in one form only, funcol's: a split by one
+    # size (a node) provably equal to the piece, W of them making the dim. Comparing SymInts
+    # with == or != would install a guard.
+    static = isinstance(piece, int) and isinstance(_tval(src).shape[dim], int)
+    users = _users(src)
     if len(users) == 1 and users[0].target in _SPLITS:
         split = users[0]
         sizes = split.args[1]
         if _arg(split, 2, "dim", 0) % _tval(src).dim() != dim:
             return None
-        if isinstance(sizes, int):
+        if not static:
+            size = _val(sizes) if isinstance(sizes, fx.Node) else sizes
+            if not (split.target is aten.split.Tensor and isinstance(size, (int, torch.SymInt))
+                    and _same_shape([size, size * W], [piece, _tval(src).shape[dim]])):  # fmt: skip
+                return None
+            sizes = [piece] * W
+        elif isinstance(sizes, int):
             sizes = [sizes] * W if sizes * W == _tval(src).shape[dim] else None
-        if not isinstance(sizes, (list, tuple)) or list(sizes) != [piece] * W:
+        if static and (not isinstance(sizes, (list, tuple)) or list(sizes) != [piece] * W):
             return None
         items = {}
         for g in split.users:
@@ -589,7 +726,7 @@ def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[lis
             return None
         return [split, *(items[i] for i in range(W))]
     slices = [u for u in users if u.target is aten.slice.Tensor]
-    if len(slices) != W or len(users) != W:
+    if not static or len(slices) != W or len(users) != W:
         return None
     size = _tval(src).shape[dim]
     by_start = {}
@@ -697,7 +834,8 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         raise _Reject("Inductor's C++ wrapper (cpp_wrapper, AOTInductor) cannot call an op returning a list")
     shard_val, res_val = _tval(m.shard), _tval(m.res)
     last = m.gather_dim == res_val.dim() - 1
-    _check_group(m.group_name, _arg(m.ag, 1, "group_size"))
+    W = _arg(m.ag, 1, "group_size")
+    _check_group(m.group_name, W)
     if shard_val.dim() < 2:
         raise _Reject("the shard is 1-D (the ops take A with >= 2 dims)")
     if not _shapes_ok(shard_val, res_val):
@@ -743,11 +881,12 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
         if not last:  # the last dim is concatenated along K: nothing to move (as PyTorch)
             from ..ops import restride_A_shard_for_fused_all_gather_matmul
 
-            stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
-            if not _same_shape(stride, shard_val.stride()):
-                if not _static(shard_val):
-                    raise _Reject(f"a restride of the shard to the symbolic strides {list(stride)}")
-                shard = b.call(inductor_prims.force_stride_order, (shard, list(stride)))
+            # NOTE: symbolic shards are left as they are: the op copies them into the gather
+            # buffer whatever their strides (the restride only makes that copy contiguous), and
+            # Inductor would order symbolic strides by evaluating comparisons (guards).
+            if _static(shard_val):
+                stride = restride_A_shard_for_fused_all_gather_matmul(shard_val, m.gather_dim).stride()
+                shard = b.restride(shard, stride, "the shard")
         if m.view_dtype not in (None, shard_val.dtype):
             shard = b.call(aten.view.dtype, (shard, m.view_dtype))  # fp8 travelled as bytes
         Bs = [mm.B_2d(b) for mm in matmuls]
@@ -761,7 +900,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             a_scale = a_scales.pop()
             # Row-wise [M, 1] -> one row per row of A_full (the op's "replicated" mode).
             if not (isinstance(_tval(a_scale).numel(), int) and _tval(a_scale).numel() == 1):
-                a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1])
+                a_scale = b.reshape(a_scale, [*res_val.shape[:-1], 1], [m.shard], factors=(1, W))
             else:
                 # NOTE: tensor-wise for the gathered A: 0-d, so the op cannot read it as a row-wise
                 # sharded scale (its reading of [1, 1] when the shard has one row, as PyTorch's).
@@ -774,17 +913,18 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
                 [_arg(n, 6, "out_dtype") for n in nodes], [bool(_arg(n, 7, "use_fast_accum", False)) for n in nodes],
             ))  # fmt: skip
         outs = b.call(operator.getitem, (fused, 1))
-        new_mms = []
-        for i, mm in enumerate(matmuls):
-            out = b.reshape(b.call(operator.getitem, (outs, i)), _tval(mm.node).shape)
-            new_mms.append(b.like(out, _tval(mm.node), mm.node.name))
-        new_A = (
-            b.like(b.call(operator.getitem, (fused, 0)), res_val, m.res.name) if need_A else None
-        )
+        raw = [b.call(operator.getitem, (outs, i)) for i in range(len(matmuls))]
+        new_mms = [b.like(b.reshape(out, _tval(mm.node).shape), _tval(mm.node), mm.node.name)
+                   for out, mm in zip(raw, matmuls)]  # fmt: skip
+        A_out = b.call(operator.getitem, (fused, 0)) if need_A else None
+        new_A = b.like(A_out, res_val, m.res.name) if need_A else None
+        erased = {*m.nodes, *(n for mm in matmuls for n in mm.chain)} - ({m.res} if need_A else set())
+        sizes = _rewire_sizes(b, erased, [*raw, *([A_out] if need_A else []), m.shard], W)
     except _Reject:
         b.rollback()
         raise
     _raise_ancestors(graph, b.new[0], to_raise - set(b.new))
+    rewired = _apply_rewired(sizes)
     expands = [mm.expand for mm in matmuls]
     for mm, new in zip(matmuls, new_mms):
         mm.node.replace_all_uses_with(new)
@@ -797,6 +937,7 @@ def _fuse_all_gather(graph: fx.Graph, m: _AllGather) -> str:
             *(n for mm in matmuls for n in mm.chain),
             *m.nodes,
             *expands,
+            *rewired,
         ],
     )
     return (
@@ -825,7 +966,7 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
     if len(waits) != 1 or _val(inp) is None:
         return None
     nodes, dim = [rs, waits[0]], 0
-    if inp.target is aten.cat.default and _arg(inp, 1, "dim", 0) == 0 and len(inp.users) == 1:
+    if inp.target is aten.cat.default and _arg(inp, 1, "dim", 0) == 0 and len(_users(inp)) == 1:
         pieces = list(inp.args[0])
         # NOTE: a piece may be a graph input (no args) or a constant (args not nodes): not a split.
         first = pieces[0] if pieces and isinstance(pieces[0], fx.Node) else None
@@ -834,9 +975,18 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
             src = src.args[0] if src.args else None
         if isinstance(src, fx.Node) and _val(src) is not None:
             for d in range(_tval(src).dim()):
-                if not isinstance(_tval(src).shape[d], int) or _tval(src).shape[d] % W:
-                    continue
-                found = _pieces_in_order(src, d, W, _tval(src).shape[d] // W)
+                size = _tval(src).shape[d]
+                if isinstance(size, int):
+                    if size % W:
+                        continue
+                    piece = size // W
+                else:  # the first piece's size, provably a W-th of it (no guard)
+                    pv = _val(first)
+                    if not (isinstance(pv, torch.Tensor) and pv.dim() == _tval(src).dim()
+                            and _same_shape([pv.shape[d] * W], [size])):  # fmt: skip
+                        continue
+                    piece = pv.shape[d]
+                found = _pieces_in_order(src, d, W, piece)
                 getitems = found[1:] if found and found[0].target in _SPLITS else found
                 if found is not None and getitems == pieces:
                     nodes, dim, inp = [*found, inp, *nodes], d, src
@@ -858,7 +1008,7 @@ def _producer_matmul(C: fx.Node, collective: set) -> _Matmul:
     if n.target not in _MATMULS:
         raise _Reject(f"its input is not a matmul seen through reshapes (it is {n.target})")
     for node, users in zip([n, *reversed(chain)], [*({u} for u in reversed(chain)), collective]):
-        if set(node.users) - users:
+        if set(_users(node)) - users:
             raise _Reject(f"the matmul result has other users ({node.name})")
     return _Matmul(n, chain)
 
@@ -898,21 +1048,21 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
     # NOTE: the fused op goes where the reduce-scatter was issued, not where it was waited for:
     # a collective issued in between would otherwise run before it on this rank only.
     b = _Builder(graph, m.rs, _fake_mode([m.inp, m.wait]))
+    W = _arg(m.rs, 2, "group_size")
+    erased = {*m.nodes, mm.node, *mm.chain} - {m.rs, m.wait}  # those two are replaced
     try:
         if not mm.scaled:
-            A = b.reshape(mm.A, [*C.shape[:-1], K])
+            # C's leading sizes from what stays: Dynamo's symbols, sym_size nodes of kept tensors.
+            A = b.reshape(mm.A, [*C.shape[:-1], K], _size_sources(graph, erased, m.rs))
             # NOTE: the last (N) dim is scattered by splitting B's columns, so A keeps its layout
             # (PyTorch's helper would move K outermost: a copy into a column-major A for nothing).
-            if not last:
+            # A symbolic A is left as it is: the op copies it into the chunk order whatever its
+            # strides, and Inductor would order symbolic strides by evaluating comparisons.
+            if not last and _static(_tval(A)):
                 from ..ops import restride_A_for_fused_matmul_reduce_scatter
 
-                stride = restride_A_for_fused_matmul_reduce_scatter(
-                    _tval(A), m.scatter_dim
-                ).stride()
-                if not _same_shape(stride, _tval(A).stride()):
-                    if not _static(_tval(A)):
-                        raise _Reject(f"a restride of A to the symbolic strides {list(stride)}")
-                    A = b.call(inductor_prims.force_stride_order, (A, list(stride)))
+                stride = restride_A_for_fused_matmul_reduce_scatter(_tval(A), m.scatter_dim).stride()
+                A = b.restride(A, stride, "A")
             op = torch.ops.mptp.fused_matmul_reduce_scatter.default
             fused = b.call(op, (A, mm.B_2d(b), m.reduce_op, m.scatter_dim, m.group_name))
         else:
@@ -926,13 +1076,15 @@ def _fuse_reduce_scatter(graph: fx.Graph, m: _ReduceScatter) -> str:
                 bool(_arg(n, 7, "use_fast_accum", False)),
             ))  # fmt: skip
         new = b.like(fused, out, m.wait.name)
+        sizes = _rewire_sizes(b, erased, [mm.A, new], W)
     except _Reject:
         b.rollback()
         raise
+    rewired = _apply_rewired(sizes)
     m.wait.replace_all_uses_with(new)
     m.rs.replace_all_uses_with(new)  # e.g. saved for backward before the wait
     expand = mm.expand
-    _erase_dead(graph, [*m.nodes, mm.node, *mm.chain, expand])
+    _erase_dead(graph, [*m.nodes, mm.node, *mm.chain, expand, *rewired])
     return f"mptp.{op._schema.name.split('::')[1]}"
 
 

@@ -108,6 +108,9 @@ def _pass_without_guards(f, *args):
     gm.recompile()
     assert [str(g.expr) for g in shape_env.guards[guards:]] == [], [str(d) for d in decisions]
     assert _layouts(gm) == before
+    # A fused collective is gone (no size read of it keeps it alive: it would run twice).
+    left = [n for n in gm.graph.nodes if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)]
+    assert len(left) == sum(not d.fused for d in decisions), (gm.graph, [str(d) for d in decisions])
     return decisions
 
 
@@ -138,7 +141,7 @@ def _cases(g):
         A = _ag(x, g).detach()
         return A @ w, A
 
-    def ag_transposed_shard(x, w):  # a symbolic restride: left alone
+    def ag_transposed_shard(x, w):  # a symbolic shard in another layout: the op copies it as it is
         return _ag(x.t(), g) @ w
 
     def scaled_ag_rowwise(x, w, sa, sb):
@@ -161,14 +164,31 @@ def _cases(g):
         torch._check(k <= x.shape[0])
         return _ag(x[:k], g) @ w, _rs(x[:k] @ w, g)
 
+    gather, scatter = _seq_collectives()
+
+    def sp_gather_seq(x, w, v):  # [B, S, K] on the sequence dim, two matmuls, A used as well
+        A = gather(x, 1, g)
+        return A @ w, A @ v, A * 2
+
+    def sp_scatter_seq(x, w):
+        return scatter(x @ w, "sum", 1, g)
+
+    def sp_gather_4d(x, w):  # [B, S, H, D] on S
+        return gather(x, 1, g) @ w
+
     ag, rs = "all-gather", "reduce-scatter"
     cases = [
+        # make_fx reads sizes with aten.sym_size.int of the nodes the rewrite erases (the gather
+        # itself, the cat): each gets a size from what stays.
+        (sp_gather_seq, (r(2, 4, 32), r(32, 16), r(32, 24)), [(ag, True)]),
+        (sp_scatter_seq, (r(2, 4, 32), r(32, 16)), [(rs, True)]),
+        (sp_gather_4d, (r(2, 4, 3, 32), r(32, 16)), [(ag, True)]),
         (ag_return_A_two_mms, (r(8, 32), r(32, 16), r(32, 24)), [(ag, True)]),
         (ag_flatten, (r(2, 4, 32), r(32, 16)), [(ag, True)]),
         (rs_flatten, (r(2, 4, 32), r(32, 16)), [(rs, True)]),
         (rs_raw, (r(8, 32), r(32, 16)), [(rs, False)]),
         (ag_detach, (r(8, 32), r(32, 16)), [(ag, True)]),
-        (ag_transposed_shard, (r(32, 8), r(32, 16)), [(ag, False)]),
+        (ag_transposed_shard, (r(32, 8), r(32, 16)), [(ag, True)]),
         (unbacked_ag, (r(8, 32), _MASK, r(32, 16)), [(ag, True)]),
         (unbacked_bmm_rs, (r(8, 4, 32), _MASK, r(32, 16)), [(rs, False)]),
         (item_slice, (r(8, 32), torch.tensor(6), r(32, 16)), [(ag, False), (rs, False)]),
@@ -279,7 +299,9 @@ def test_unbacked_bmm_batch_does_not_crash_the_compile(pg1):
         f, [args], dynamo={"capture_dynamic_output_shape_ops": True}
     )
     assert added == []
-    assert [d.fused for d in decisions] == [False]
+    # Fused since symbolic [batch, rows, K] As are (the reshape's sizes come from the graph's
+    # nodes): the bmm's unbacked batch is never guarded on, and the values are eager's.
+    assert [d.fused for d in decisions] == [True], [str(d) for d in decisions]
     _close(out, f(*args))
 
 
@@ -295,6 +317,58 @@ def test_slice_by_dynamic_int_adds_no_guard(pg1):
     assert added == [], added
     for out, args in zip(outs, calls):
         _close(out, f(*args))
+
+
+def _compile_guards(f, calls, with_pass):
+    """Every guard of one dynamic=True compile of f (Dynamo's, the pass's, Inductor's lowering's),
+    the decisions and the number of graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    import mptp_kernels.compile as mc
+
+    envs = []
+
+    def seeing(graph):
+        envs.extend({id(v.fake_mode.shape_env): v.fake_mode.shape_env for n in graph.nodes
+                     if getattr(v := n.meta.get("val"), "fake_mode", None) is not None}.values())  # fmt: skip
+        # without the pass: the same hook sees the graph and leaves it as it is
+        return micro_pipeline_pass(graph) if with_pass else 0
+
+    cfg = torch._inductor.config
+    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
+    decisions = []
+    torch._dynamo.reset()
+    counters.clear()
+    with cfg.patch(fast), mptp_kernels.enable_micro_pipeline_tp(), recording(decisions), \
+            mock.patch.object(mc, "micro_pipeline_pass", seeing), warnings.catch_warnings():  # fmt: skip
+        warnings.simplefilter("ignore")
+        cf = torch.compile(f, fullgraph=True, dynamic=True)
+        for args in calls:
+            cf(*args)
+    guards = sorted({str(g.expr) for env in envs for g in env.guards})
+    return guards, decisions, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("return_A", [False, True])
+def test_sequence_dim_symbolic_fuses_with_the_guards_of_the_unfused_compile(fake2, return_A):
+    """[B, S, K] gathered and scattered on S, dynamic=True, in this process on the fake 2-rank
+    group (values are not compared here: the fake group does not communicate; the numeric tests
+    run on gloo): both fuse once for three shapes, and the whole compile, Inductor's lowering of
+    the rewritten graph included (the returned A restrided with symbolic strides), holds the
+    guards the unfused compile holds."""
+    gather, scatter = _seq_collectives()
+
+    def f(x, w1, w2):
+        A = gather(x, 1, fake2)
+        y = scatter(A @ w1 @ w2, "sum", 1, fake2)
+        return (y, A.transpose(0, 1) * 2, A) if return_A else y
+
+    calls = [(torch.rand(B, S, 32), torch.rand(32, 16), torch.rand(16, 32)) for B, S in ((2, 4), (3, 6), (5, 3))]
+    on, decisions, graphs = _compile_guards(f, calls, True)
+    off, _, graphs_off = _compile_guards(f, calls, False)
+    assert [(d.kind, d.dim, d.fused) for d in decisions] == [("all-gather", 1, True), ("reduce-scatter", 1, True)]
+    assert graphs == graphs_off == 1
+    assert on == off, (on, off)
 
 
 def test_mark_dynamic_K_and_N_fuse_once_without_a_guard(pg1):
@@ -322,25 +396,42 @@ def test_mark_dynamic_K_and_N_fuse_once_without_a_guard(pg1):
 # ---------------------------------------------------------------- numerics on 2 gloo processes
 
 
-def _model(g, fp8_rows):
+def _seq_collectives():
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return gather, scatter
+
+
+def _model(g, fp8_rows, seq=False):
+    """seq=False: [B * S, K] tokens gathered and scattered on dim 0. seq=True: sequence
+    parallelism, [B, S, K] gathered and scattered on the sequence dim (funcol's split + cat)."""
+    gather, scatter = _seq_collectives()
+
     def f(x3, w1, v1, w2, xs, ws, sa, sb):
-        x = x3.flatten(0, 1)  # rows = B * S, both dynamic
-        A = _ag(x, g)
+        x = x3 if seq else x3.flatten(0, 1)  # rows = B * S, both dynamic
+        A = gather(x, 1, g) if seq else _ag(x, g)
         h1, h2 = A @ w1, A @ v1  # two matmuls on one gathered A, and A returned
-        y = _funcol_rs(h1 @ w2, g)
+        y = scatter(h1 @ w2, "sum", 1, g) if seq else _funcol_rs(h1 @ w2, g)
         outs = [A, h1, h2, y, A.detach() * 2]
         if fp8_rows:
-            As = _ag(xs.view(torch.uint8), g).view(FP8)  # row-wise scales, dynamic rows: fuses
+            # row-wise scales, dynamic rows: fuses
+            if seq:
+                As = gather(xs.view(torch.uint8), 1, g).view(FP8).flatten(0, 1)
+            else:
+                As = _ag(xs.view(torch.uint8), g).view(FP8)
             outs.append(torch._scaled_mm(As, ws, sa, sb, out_dtype=torch.bfloat16))
             # The scaled reduce-scatter (tensor-wise scales): symbolic rows, must not fuse.
-            outs.append(_funcol_rs(torch._scaled_mm(xs, ws, sb.new_ones(()), sb.new_ones(()),
-                                                    out_dtype=torch.bfloat16), g))  # fmt: skip
+            C = torch._scaled_mm(xs.flatten(0, 1) if seq else xs, ws, sb.new_ones(()), sb.new_ones(()),
+                                 out_dtype=torch.bfloat16)  # fmt: skip
+            outs.append(scatter(C.unflatten(0, xs.shape[:2]), "sum", 1, g) if seq else _funcol_rs(C, g))
         return outs
 
     return f
 
 
-def _inputs(B, S, r, fp8_rows):
+def _inputs(B, S, r, fp8_rows, seq=False):
     from utils import randn
 
     K, N, N2 = 32, 24, 16
@@ -348,7 +439,7 @@ def _inputs(B, S, r, fp8_rows):
             randn((N, N2), 3, scale=0.5)]  # fmt: skip
     M = B * S
     g = torch.Generator().manual_seed(M + r)
-    xs = torch.randint(-2, 3, (M, K), generator=g).float().to(FP8)
+    xs = torch.randint(-2, 3, (B, S, K) if seq else (M, K), generator=g).float().to(FP8)
     ws = _cm(torch.randint(-2, 3, (K, 16), generator=g).float().to(FP8))
     sa = 2.0 ** torch.randint(-1, 2, (W * M, 1), generator=g).float()
     sb = 2.0 ** torch.randint(-1, 2, (1, 16), generator=g).float()
@@ -361,17 +452,17 @@ def _inputs(B, S, r, fp8_rows):
     ]
 
 
-def _dynamic_model():
+def _dynamic_model(seq=False):
     """dynamic=True, three (B, S): with the pass == without it == eager (bitwise where the graphs
     agree on the order of the sums: all-gathers exact, matmuls by assert_matmul_close), and the
-    pass costs no compile."""
+    pass costs no compile. seq: the sequence dim of [B, S, K] (see _model)."""
     from torch._dynamo.utils import counters
     from utils import assert_matmul_close
 
     g, r = dist.group.WORLD.group_name, dist.get_rank()
     mptp_kernels.enable_symm_mem_for_group(g)
     fp8 = cpu_rowwise_scaled_mm()
-    f = _model(g, fp8)
+    f = _model(g, fp8, seq)
     cfg = torch._inductor.config
     fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
     errors, graphs, fused = [], {}, []
@@ -388,7 +479,7 @@ def _dynamic_model():
             ctx = mptp_kernels.enable_micro_pipeline_tp() if with_pass else contextlib.nullcontext()
             with ctx:
                 cf = torch.compile(f, fullgraph=True, dynamic=True)
-                results[with_pass] = [cf(*_inputs(B, S, r, fp8)) for B, S in shapes]
+                results[with_pass] = [cf(*_inputs(B, S, r, fp8, seq)) for B, S in shapes]
         graphs[with_pass] = counters["stats"]["unique_graphs"]
         if with_pass:
             fused = [(d.kind, d.fused) for d in decisions]
@@ -398,9 +489,9 @@ def _dynamic_model():
     want += [("reduce-scatter", False)] if fp8 else []
     if fused != want * graphs[True]:  # each compile (Dynamo recompiles once here) fuses the same
         errors.append(f"decisions {fused}, expected {want}")
-    f64 = _model(g, False)
+    f64 = _model(g, False, seq)
     for (B, S), on, off in zip(shapes, results[True], results[False]):
-        args = _inputs(B, S, r, fp8)
+        args = _inputs(B, S, r, fp8, seq)
         eager = f(*args)
         ref = f64(*[a.double() for a in args[:4]], *args[4:])
         for j, (a, b, e) in enumerate(zip(on, off, eager)):
@@ -460,10 +551,10 @@ def _raw_rs_odd_rows():
 
 def _sequence_dim(dynamic):
     """A [batch, seq, hidden] tensor gathered and scattered on the sequence dim (funcol's split +
-    cat around the dim-0 collective: torchtitan's sequence parallelism). Static shapes: both fuse
-    (dim 1). Symbolic ones: neither, and the decisions say why (found by a hostile review: the
-    gather was reported as one on dim 0, the reduce-scatter as "its input is not a matmul (it is
-    aten.cat)"). Values equal eager either way."""
+    cat around the dim-0 collective: torchtitan's sequence parallelism): both fuse (dim 1), with
+    static shapes once per shape, with symbolic ones (dynamic=True) once for every shape; with
+    dynamic=None the second shape recompiles symbolically and fuses too (found by a hostile
+    review: the symbolic form was not fused, where PyTorch's pass fuses it). Values equal eager."""
     import torch.distributed._functional_collectives as funcol
     from utils import assert_matmul_close, randn
 
@@ -482,7 +573,7 @@ def _sequence_dim(dynamic):
     torch._dynamo.reset()
     with cfg.patch(fast), recording(decisions), mptp_kernels.enable_micro_pipeline_tp():
         cf = torch.compile(f, fullgraph=True, dynamic=dynamic)
-        for B, S in ((2, 4), (3, 6)):
+        for B, S in ((2, 4), (3, 6), (4, 2)):
             args = (randn((B, S, 32), 7 * B + S + r), randn((32, 16), 1), randn((16, 32), 2))
             out, eager = cf(*args), f(*args)
             try:
@@ -491,19 +582,15 @@ def _sequence_dim(dynamic):
             except AssertionError as e:
                 errors.append(str(e))
     got = [(d.kind, d.dim, d.fused) for d in decisions]
-    if dynamic:
-        want = [("all-gather", None, False), ("reduce-scatter", None, False)]
-        errors += [f"no reason given: {d}" for d in decisions
-                   if "cut into pieces of symbolic size" not in d.detail or "dynamic=False" not in d.detail]  # fmt: skip
-    else:  # one compile per shape, each fused
-        want = [("all-gather", 1, True), ("reduce-scatter", 1, True)] * 2
+    # dynamic=True: one symbolic compile; None: static, then symbolic; False: one per shape.
+    want = [("all-gather", 1, True), ("reduce-scatter", 1, True)] * {True: 1, None: 2, False: 3}[dynamic]
     if got != want:
         errors.append(f"decisions {[str(d) for d in decisions]}, expected {want}")
     return errors
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_sequence_dim_of_3d_fuses_static_and_says_why_not_symbolic(workers2, dynamic):
+@pytest.mark.parametrize("dynamic", [False, True, None])
+def test_sequence_dim_of_3d_fuses_static_and_symbolic(workers2, dynamic):
     _assert_ranks_ok(workers2.run(_sequence_dim, dynamic, timeout_s=300))
 
 
@@ -512,8 +599,9 @@ def _assert_ranks_ok(results):
     assert not failures, "\n".join(failures)
 
 
-def test_dynamic_model_equals_unfused_and_eager(workers2):
-    _assert_ranks_ok(workers2.run(_dynamic_model, timeout_s=240))
+@pytest.mark.parametrize("seq", [False, True], ids=["tokens", "sequence"])
+def test_dynamic_model_equals_unfused_and_eager(workers2, seq):
+    _assert_ranks_ok(workers2.run(_dynamic_model, seq, timeout_s=240))
 
 
 def test_raw_reduce_scatter_odd_rows_same_as_unfused(workers2):

@@ -88,7 +88,9 @@ def _counts():
     return dict(mptp_kernels.path_counts())
 
 
-def _compiled_tp_block(seed, batch):
+def _compiled_tp_block(seed, batch, dynamic=False):
+    """dynamic: compiled with dynamic=True (symbolic batch and sequence) and run on a second
+    (batch, sequence) as well, which the same graph serves, fused."""
     import mptp_kernels
     from mptp_kernels.compile.micro_pipeline import recording
 
@@ -98,13 +100,14 @@ def _compiled_tp_block(seed, batch):
     with torch.no_grad():  # a non-trivial LayerNorm affine
         full.norm.weight.copy_(1 + 0.1 * randn((DIM,), seed + 1))
         full.norm.bias.copy_(0.1 * randn((DIM,), seed + 2))
-    x = randn((batch, SEQ, DIM), seed + 3)
-    x_local = x.chunk(W, dim=1)[r]
+    shapes = [(batch, SEQ)] + ([(batch + 1, SEQ // 2 + 2 * W)] if dynamic else [])
+    xs = [randn((b, s, DIM), seed + 3 + i) for i, (b, s) in enumerate(shapes)]
+    x_locals = [x.chunk(W, dim=1)[r] for x in xs]
 
     with torch.no_grad():
-        ref64 = _local(_tp(copy.deepcopy(full).double(), "cpu")(x_local.double()))
-        eager_bf16 = copy.deepcopy(full).to("cuda", torch.bfloat16)(x.to("cuda", torch.bfloat16))
-        eager_bf16 = eager_bf16.cpu().chunk(W, dim=1)[r]
+        refs64 = [_local(_tp(copy.deepcopy(full).double(), "cpu")(x.double())) for x in x_locals]
+        eager = copy.deepcopy(full).to("cuda", torch.bfloat16)
+        eagers_bf16 = [eager(x.to("cuda", torch.bfloat16)).cpu().chunk(W, dim=1)[r] for x in xs]
         model = _tp(copy.deepcopy(full).to("cuda", torch.bfloat16), "cuda")
         torch._dynamo.reset()
         decisions = []
@@ -113,25 +116,27 @@ def _compiled_tp_block(seed, batch):
         # (the likely cause of this test's failure on the H100 when it ran twice on one machine).
         no_caches = torch._inductor.config.patch(force_disable_caches=True)
         with no_caches, mptp_kernels.enable_micro_pipeline_tp(), recording(decisions):
-            compiled = torch.compile(model, fullgraph=True)
+            compiled = torch.compile(model, fullgraph=True, dynamic=True if dynamic else None)
             c0 = _counts()
-            out = _local(compiled(x_local.to("cuda", torch.bfloat16)))
-            out2 = _local(compiled(x_local.to("cuda", torch.bfloat16)))
+            outs = [_local(compiled(x.to("cuda", torch.bfloat16))) for x in x_locals]
+            out2 = _local(compiled(x_locals[0].to("cuda", torch.bfloat16)))
         torch.cuda.synchronize()
         c1 = _counts()
 
     kinds = [(d.kind, d.fused) for d in decisions if d.kind != "symm_mem op"]
     assert kinds == [("all-gather", True), ("reduce-scatter", True)], [str(d) for d in decisions]
+    calls = len(shapes) + 1
     delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in set(c0) | set(c1)}
-    assert delta.get((AG, "fused"), 0) == 2 and delta.get((RS, "fused"), 0) == 2, delta
+    assert delta.get((AG, "fused"), 0) == calls and delta.get((RS, "fused"), 0) == calls, delta
     assert not any(n for (_, path), n in delta.items() if path == "reference"), delta
-    assert out.shape == ref64.shape == (batch, SEQ // W, DIM), (out.shape, ref64.shape)
-    assert torch.equal(out, out2), "the second call of the compiled model differs from the first"
-    assert_matmul_close(out.float(), ref64, eager_bf16, k=3.0, atol=2e-3, what="compiled TP block")
+    for (b, s), out, ref64, eager_bf16 in zip(shapes, outs, refs64, eagers_bf16):
+        assert out.shape == ref64.shape == (b, s // W, DIM), (out.shape, ref64.shape)
+        assert_matmul_close(out.float(), ref64, eager_bf16, k=3.0, atol=2e-3, what=f"compiled TP block {b}x{s}")
+    assert torch.equal(outs[0], out2), "the second call of the compiled model differs from the first"
     return [str(d) for d in decisions]
 
 
-@pytest.mark.parametrize("batch", [2, 1])
-def test_compiled_tp_block_runs_fused_and_matches_eager(workers, batch):
-    decisions = workers.run(_compiled_tp_block, SEED, batch, timeout_s=TIMEOUT_S)
-    print(f"SEED={SEED} batch={batch}\n" + "\n".join(decisions[0]))
+@pytest.mark.parametrize("batch,dynamic", [(2, False), (1, False), (2, True)])
+def test_compiled_tp_block_runs_fused_and_matches_eager(workers, batch, dynamic):
+    decisions = workers.run(_compiled_tp_block, SEED, batch, dynamic, timeout_s=TIMEOUT_S)
+    print(f"SEED={SEED} batch={batch} dynamic={dynamic}\n" + "\n".join(decisions[0]))
