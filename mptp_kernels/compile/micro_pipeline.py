@@ -135,6 +135,23 @@ _SYMBOLIC_SPLIT_WHY = (
 )
 
 
+_UNBACKED_SPLIT_WHY = (
+    "a data-dependent size (e.g. rows of x[mask]): the collective's tensor is cut into pieces "
+    "along one dim and joined along another (a gather or scatter of a dim > 0), and the pieces "
+    "are not provably W equal ones in order without a guard, which a data-dependent size cannot "
+    "have (dynamic=False does not change it; a dim-0 gather or scatter of it fuses)"
+)
+
+
+def _split_why(src: fx.Node) -> str:
+    """Why a symbolic reassembly (_cut_symbolically) is not fused, with advice that applies."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    # NOTE: found by a hostile review: a gather of x[mask] on dim 1 was given the advice
+    # dynamic=False, which does not make a data-dependent size static.
+    return _UNBACKED_SPLIT_WHY if free_unbacked_symbols(_tval(src).shape) else _SYMBOLIC_SPLIT_WHY
+
+
 def _cut_symbolically(src: fx.Node, W: int) -> bool:
     """src has symbolic sizes and is cut into W equal pieces along one dim (a split, or W slices)
     that one cat joins again along another dim: funcol's reassembly of a gather or scatter on a
@@ -766,7 +783,7 @@ def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     if pieces is None and _cut_symbolically(src, W):
         # NOTE: found by a hostile review: reported as a dim-0 gather refused for its shapes,
         # while the gather was on dim 1 (the split's symbolic sizes are not matched).
-        raise _Reject(_SYMBOLIC_SPLIT_WHY)
+        raise _Reject(_split_why(src))
     if pieces is None:
         # gather_dim 0: A is the waited tensor (maybe viewed back from bytes).
         res, view_dtype = src, None
@@ -995,7 +1012,7 @@ def _match_reduce_scatter(rs: fx.Node) -> Optional[_ReduceScatter]:
                 if _cut_symbolically(src, W):
                     # NOTE: found by a hostile review: reported as "its input is not a matmul (it
                     # is aten.cat)", while the cause was the pieces' symbolic sizes.
-                    raise _Reject(_SYMBOLIC_SPLIT_WHY)
+                    raise _Reject(_split_why(src))
     return _ReduceScatter(rs, waits[0], inp, dim, reduce_op, group_name, nodes)
 
 

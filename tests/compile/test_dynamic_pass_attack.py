@@ -229,7 +229,22 @@ def test_a_users_own_pieces_of_a_gather_are_not_called_a_symbolic_reassembly(fak
     for f in (per_rank_pieces, two_slices):
         decisions = _pass_without_guards(f, torch.rand(8, 32), torch.rand(32, 16))
         assert _fused(decisions) == [("all-gather", False)], [str(d) for d in decisions]
-        assert "cut into pieces of symbolic size" not in decisions[0].detail, str(decisions[0])
+        assert "joined along another" not in decisions[0].detail, str(decisions[0])
+
+
+def test_a_data_dependent_sequence_gather_is_not_advised_dynamic_false(fake2):
+    """x[mask] (an unbacked batch) gathered on the sequence dim: make_fx cuts the gathered tensor
+    with two slices of unbacked size, not proven W equal pieces: not fused, and the reason names
+    the data-dependent size instead of advising dynamic=False, which cannot make it static (a
+    hostile review found that advice)."""
+    gather, _ = _seq_collectives()
+
+    def f(x, m, w):
+        return gather(x[m], 1, fake2) @ w
+
+    decisions = _pass_without_guards(f, torch.rand(3, 4, 32), torch.tensor([True, False, True]), torch.rand(32, 16))
+    assert _fused(decisions) == [("all-gather", False)], [str(d) for d in decisions]
+    assert "data-dependent" in decisions[0].detail and "does not change it" in decisions[0].detail, str(decisions[0])
 
 
 # ---------------------------------------------------------------- torch.compile in this process (W = 1)
