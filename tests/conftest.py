@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# NOTE: no precompiled C++ headers in Inductor's CPU compiles (this process and the workers it
+# starts). Tests compile with cpp.vec_isa_ok=False for speed; a header precompiled by such a
+# compile was then reused by a later vectorized cpp_wrapper compile in the same process, which
+# failed with "'at::vec' has not been declared" (torch 2.14.1; seen in CI on 0bfbfe8, where
+# an in-process compile of compile/test_dynamic_pass_attack.py came before
+# ops/test_registration.py's). Only build speed depends on it.
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+if hasattr(torch._inductor.config, "cpp_cache_precompile_headers"):
+    torch._inductor.config.cpp_cache_precompile_headers = False
+
 from dist.harness import Workers  # noqa: E402
 
 

@@ -8,6 +8,7 @@ view, _unsafe_view, flatten, unflatten, squeeze, unsqueeze, alias, clone):
       C_i = mm(R*(A), B_i) | bmm(R*(A), expand(B_i)) | _scaled_mm(R*(A), B_i, ...)
    -> A', [O_i] = fused_all_gather_matmul(shard, [B_i], d)  (or the scaled op)
       C_i := reshape(O_i, C_i.shape); A := A' where A has other users
+      (several waits of one all-gather, and their identical reassemblies, are merged first)
   reduce-scatter on dim d (any dim, the last one included):
       C = R*(mm(X, B) | bmm(X, expand(B)) | _scaled_mm(X, B, ...))
       out = wait(reduce_scatter(C [-> split / slices along d -> cat(0)]))
@@ -763,6 +764,119 @@ def _pieces_in_order(src: fx.Node, dim: int, W: int, piece: int) -> Optional[lis
     return [by_start[i] for i in range(W)]
 
 
+# Ops whose result depends on their arguments only and which read no mutable state: two of them
+# with the same arguments are one value (merged by _merge_repeated_waits).
+_PURE_READS = (*_overloads("split.Tensor", "split.sizes", "split_with_sizes.default", "cat.default", "view.dtype",
+                           "slice.Tensor", "reshape.default", "view.default", "_unsafe_view.default",
+                           "alias.default", "detach.default", "sym_size.int"),
+               operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv)  # fmt: skip
+# Of those, the ones whose result may share its input's storage.
+_VIEWS = (*_overloads("split.Tensor", "split.sizes", "split_with_sizes.default", "view.dtype", "slice.Tensor",
+                      "reshape.default", "view.default", "_unsafe_view.default", "alias.default", "detach.default"),
+          operator.getitem)  # fmt: skip
+
+
+def _storage_base(n):
+    """The node whose buffer n may view (itself unless n is a view op of a node)."""
+    while isinstance(n, fx.Node) and n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _merge_repeated_waits(ag: fx.Node, group_name: str) -> None:
+    """One all-gather waited on more than once (Inductor's CSE merges the identical gathers of one
+    tensor, e.g. q, k and v each ColwiseParallel(input_layouts=Shard(1)), but not their waits
+    and reassemblies): the later waits, and then each repeated pure read of them (the same split,
+    getitem, cat, reshape of the same nodes), are replaced by the first, so that one gather feeds
+    every matmul. The same values: a wait returns the gathered tensor, and a pure op of the same
+    arguments computes the same thing; nothing that mutates may use a merged node."""
+    waits = [u for u in ag.users if u.target is _c10d.wait_tensor.default]
+    if len(waits) < 2 or not _group_enabled(group_name):
+        return
+    order = {n: i for i, n in enumerate(ag.graph.nodes)}
+
+    def key(n):
+        leaves, spec = torch.utils._pytree.tree_flatten((n.args, n.kwargs))
+        # NOTE: the type too: 2 == 2.0 == True, and merging a mul by 2 with one by 2.0 would
+        # change a dtype (a hostile review, on a hand-built graph).
+        return (n.target, repr(spec), *((type(x), x) for x in leaves))
+
+    def mutated(n):
+        """A user of n, or of a view of it, mutates (post-grad graphs are functional when the
+        pass runs; a hand-built one need not be)."""
+        stack, seen = [n], set()
+        while stack:
+            cur = stack.pop()
+            for u in cur.users:
+                if _order_sensitive(u):
+                    return True
+                if u.target in _VIEWS and u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        return False
+
+    output = next(n for n in reversed(ag.graph.nodes) if n.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(output.args)
+    bases_before = [_storage_base(a) for a in leaves]
+    # An output a merge could make share a buffer with another gets a clone (_unalias_outputs),
+    # which keeps its strides only where they are dense: otherwise nothing is merged.
+    reached, stack = set(waits), list(waits)
+    while stack:
+        for u in stack.pop().users:
+            if u.target in _PURE_READS and u not in reached:
+                reached.add(u)
+                stack.append(u)
+    for a, base in zip(leaves, bases_before):
+        v = _val(a)
+        if base in reached and not (isinstance(v, torch.Tensor) and _static(v) and _is_dense(v)):
+            return
+
+    def repeated_reads(n):
+        by_key = {}
+        for u in sorted(n.users, key=order.__getitem__):
+            if u.target in _PURE_READS and u.op == "call_function":
+                try:
+                    by_key.setdefault(key(u), []).append(u)
+                except TypeError:  # an argument that cannot be compared: left as it is
+                    continue
+        return [g for g in by_key.values() if len(g) > 1]
+
+    # The gather's own size reads (make_fx computes each split's size from one) merge as well.
+    todo = [sorted(waits, key=order.__getitem__), *repeated_reads(ag)]
+    while todo:
+        keep, *dups = todo.pop()
+        if any(d not in order or mutated(d) for d in [keep, *dups]):
+            continue
+        for d in dups:
+            d.replace_all_uses_with(keep)
+            ag.graph.erase_node(d)
+            del order[d]
+        todo.extend(repeated_reads(keep))
+    _unalias_outputs(output, bases_before)
+
+
+def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
+    """Graph outputs that a merge made share a buffer (the same node returned twice, or views of
+    one merged buffer) get a clone each, so that what the caller receives is distinct as before
+    (found by a hostile review: a gathered tensor returned twice came back as one object)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(output.args)
+    owner, changed = {}, False
+    for i, (a, before) in enumerate(zip(leaves, bases_before)):
+        base = _storage_base(a)
+        if not isinstance(base, fx.Node):
+            continue
+        first = owner.setdefault(base, i)
+        if first != i and bases_before[first] is not before:
+            v = _tval(a)
+            with output.graph.inserting_before(output):
+                c = output.graph.call_function(aten.clone.default, (a,))
+            with v.fake_mode:
+                c.meta["val"] = aten.clone.default(v)  # dense, static: the same strides
+            leaves[i], changed = c, True
+    if changed:
+        output.args = torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
 def _match_all_gather(ag: fx.Node) -> Optional[_AllGather]:
     shard, W, group_name = ag.args[0], _arg(ag, 1, "group_size"), _arg(ag, 2, "group_name")
     wait = _single_user(ag)
@@ -1171,6 +1285,11 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
         total += len(colls)
         for coll in colls:
             group = _arg(coll, 2 if target is ag_t else 3, "group_name")
+            if target is ag_t:
+                try:
+                    _merge_repeated_waits(coll, group)
+                except Exception as e:  # noqa: BLE001 - each merge is the same value: what is done stands
+                    env.logger.info("mptp: repeated waits of %s not merged: %s", coll.name, e)
             try:
                 m = match(coll)
             except _Reject as e:

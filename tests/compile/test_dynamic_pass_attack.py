@@ -202,6 +202,108 @@ def _cases(g):
     return cases
 
 
+def _one_gather_waited_thrice(g, mutate=False):
+    """q, k and v each gathering the same shard on the sequence dim, as Inductor leaves it after
+    CSE: one all-gather, three waits, three split + cat + reshape chains, three matmuls."""
+    gather, _ = _seq_collectives()
+
+    def f(x, wq, wk, wv):
+        return [gather(x, 1, g) @ w for w in (wq, wk, wv)]
+
+    gm = _symbolic(f, torch.rand(2, 4, 32), *(torch.rand(32, 16) for _ in range(3)))
+    ags = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    for other in ags[1:]:
+        other.replace_all_uses_with(ags[0])
+        gm.graph.erase_node(other)
+    waits = [n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default]
+    if mutate:  # an in-place user of the second wait: nothing may be merged into or from it
+        with gm.graph.inserting_after(waits[1]):
+            n = gm.graph.call_function(aten.add_.Tensor, (waits[1], 1.0))
+        n.meta["val"] = waits[1].meta["val"]
+    return gm, waits
+
+
+def test_one_gather_waited_on_several_times_feeds_every_matmul(fake2):
+    """Repeated waits of one all-gather (and their repeated reassemblies) are one value: merged,
+    then fused with all three matmuls, no guard, the collective gone; not merged where a user
+    mutates (found by a hostile review: the q/k/v gather of an attention block was refused as
+    "unrecognized form")."""
+    gm, _ = _one_gather_waited_thrice(fake2)
+    env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
+    guards, before = len(env.guards), _layouts(gm)
+    with recording([]) as decisions:
+        micro_pipeline_pass(gm.graph)
+    gm.recompile()
+    assert [str(d) for d in decisions] == [
+        f"all-gather all_gather_into_tensor (group {fake2}, dim 1): fused -> mptp.fused_all_gather_matmul (3 matmuls)"
+    ]
+    assert len(env.guards) == guards and _layouts(gm) == before
+    assert not [n for n in gm.graph.nodes if str(n.target).startswith("_c10d_functional")], gm.graph
+
+    gm, waits = _one_gather_waited_thrice(fake2, mutate=True)
+    with recording([]) as decisions:
+        micro_pipeline_pass(gm.graph)
+    assert waits[1] in gm.graph.nodes and waits[1].args[0].target is c10d.all_gather_into_tensor.default
+    assert not decisions[0].fused, str(decisions[0])
+
+
+def _hand_graph(group, build):
+    """x -> one all-gather of `group` waited twice; build(graph, y, wait1, wait2) gives the outputs."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 1, group))
+    w1 = g.call_function(c10d.wait_tensor.default, (ag,))
+    w2 = g.call_function(c10d.wait_tensor.default, (ag,))
+    g.output(build(g, y, w1, w2))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_merging_repeated_reads_keeps_values_dtypes_and_distinct_outputs(pg1, fake2):
+    """The merge of repeated waits, attacked (a hostile review): a mul by 2 and one by 2.0 are not
+    one value (2 == 2.0: a float user got an int); two copies are two buffers where one is
+    mutated through a view; and a gathered tensor returned twice stays two tensors (it came back
+    as one object, with the pass only: the merge gave the output tuple one node twice)."""
+    import operator
+
+    mptp_kernels.enable_symm_mem_for_group(pg1)
+
+    def mul_by_int_and_float(g, y, w1, w2):
+        m1 = g.call_function(operator.mul, (g.call_function(aten.sym_size.int, (w1, 0)), 2))
+        m2 = g.call_function(operator.mul, (g.call_function(aten.sym_size.int, (w2, 0)), 2.0))
+        return (m1, g.call_function(aten.mul.Tensor, (y, m2)))
+
+    def copy_mutated_through_a_view(g, y, w1, w2):
+        c1 = g.call_function(aten.cat.default, ([w1, w1],))
+        c2 = g.call_function(aten.cat.default, ([w2, w2],))
+        g.call_function(aten.add_.Tensor, (g.call_function(aten.slice.Tensor, (c1, 0, 0, 2)), 100.0))
+        return (c1, c2)
+
+    for build in (mul_by_int_and_float, copy_mutated_through_a_view):
+        gm = _hand_graph(pg1, build)
+        x, y = torch.rand(4, 8), torch.arange(3)
+        before = gm(x, y)
+        with recording([]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            micro_pipeline_pass(gm.graph)
+        gm.recompile()
+        after = gm(x, y)
+        for b, a in zip(before, after):
+            assert type(a) is type(b) and (not isinstance(a, torch.Tensor) or (a.dtype == b.dtype and torch.equal(a, b))), build.__name__  # fmt: skip
+
+    gather, _ = _seq_collectives()
+
+    def twice(x):
+        return gather(x, 1, fake2), gather(x, 1, fake2)
+
+    for grad in (False, True):
+        ((a, b),), decisions, _, _ = _compile_counting_guards(twice, [(torch.rand(2, 4, 8, requires_grad=grad),)], dynamic=False)
+        b0 = b.clone()
+        a.detach().add_(1)
+        assert a.data_ptr() != b.data_ptr() and torch.equal(b, b0), f"requires_grad={grad}: one tensor returned twice"
+
+
 def test_symbolic_traces_fuse_or_not_without_a_guard(fake2):
     """Every case: the pass neither raises nor adds a guard, outputs keep their layouts, and what
     fuses is pinned (a symbolic size that would need a guard to prove the rewrite stays unfused)."""
