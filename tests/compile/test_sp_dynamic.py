@@ -50,45 +50,51 @@ class _MLP(torch.nn.Module):
         return self.w4(self.w3(h) * 2)
 
 
-def _train(dynamic, shapes, mark=None):
+def _run_modes(base, plan, modes, dynamic, shapes, step):
+    """base parallelized by plan, run per mode ("pass", "no pass": compiled with and without the
+    pass; "eager") on each (B, S) by step(fn, model, i, B, S) -> tensors; returns the results
+    per mode, the pass's decisions, and the graphs compiled per mode."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    r = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
-    base = _MLP()
-    plan = {"w1": ColwiseParallel(input_layouts=Shard(1)), "w2": RowwiseParallel(output_layouts=Shard(1)),
-            "w3": ColwiseParallel(input_layouts=Shard(1)), "w4": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
     cfg = torch._inductor.config
     fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
     results, decisions, graphs = {}, [], {}
-    for mode in ("pass", "no pass", "eager"):
+    for mode in modes:
         model = parallelize_module(copy.deepcopy(base), mesh, plan)
         torch._dynamo.reset()
         counters.clear()
         ctx = mptp_kernels.enable_micro_pipeline_tp() if mode == "pass" else contextlib.nullcontext()
-        outs = []
         with cfg.patch(fast), ctx, recording(decisions if mode == "pass" else []), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fn = model if mode == "eager" else torch.compile(model, fullgraph=True, dynamic=dynamic)
-            for i, (B, S) in enumerate(shapes):
-                x = _ints((B, S, 32), 100 * r + i).requires_grad_(True)
-                if mark is not None:
-                    torch._dynamo.mark_dynamic(x, mark)
-                y = fn(x)
-                (y * _ints(y.shape, 7 + i)).sum().backward()
-                grads = [getattr(p.grad, "to_local", lambda g=p.grad: g)().clone() for p in model.parameters()]
-                model.zero_grad()
-                outs.append([y.detach(), x.grad.clone(), *grads])
-        results[mode] = outs
+            results[mode] = [step(fn, model, i, B, S) for i, (B, S) in enumerate(shapes)]
         graphs[mode] = counters["stats"]["unique_graphs"]
+    return results, decisions, graphs
+
+
+def _train(dynamic, shapes, mark=None):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    r = dist.get_rank()
+    plan = {"w1": ColwiseParallel(input_layouts=Shard(1)), "w2": RowwiseParallel(output_layouts=Shard(1)),
+            "w3": ColwiseParallel(input_layouts=Shard(1)), "w4": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+
+    def step(fn, model, i, B, S):
+        x = _ints((B, S, 32), 100 * r + i).requires_grad_(True)
+        if mark is not None:
+            torch._dynamo.mark_dynamic(x, mark)
+        y = fn(x)
+        (y * _ints(y.shape, 7 + i)).sum().backward()
+        grads = [getattr(p.grad, "to_local", lambda g=p.grad: g)().clone() for p in model.parameters()]
+        model.zero_grad()
+        return [y.detach(), x.grad.clone(), *grads]
+
+    results, decisions, graphs = _run_modes(_MLP(), plan, ("pass", "no pass", "eager"), dynamic, shapes, step)
     errors = []
     if graphs["pass"] != graphs["no pass"]:
         errors.append(f"compiles: {graphs}")
@@ -132,44 +138,24 @@ class _Attention(torch.nn.Module):
 
 
 def _attention(dynamic, shapes):
-    from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     r = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mptp_kernels.enable_symm_mem_for_group(mesh.get_group().group_name)
     torch.manual_seed(0)
-    base = _Attention()
     colwise = ColwiseParallel(input_layouts=Shard(1))
     plan = {"wq": colwise, "wk": colwise, "wv": colwise, "wo": RowwiseParallel(output_layouts=Shard(1))}
-    cfg = torch._inductor.config
-    fast = {"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}
-    results, decisions, graphs = {}, [], {}
-    for mode in ("pass", "no pass"):
-        model = parallelize_module(copy.deepcopy(base), mesh, plan)
-        torch._dynamo.reset()
-        counters.clear()
-        ctx = mptp_kernels.enable_micro_pipeline_tp() if mode == "pass" else contextlib.nullcontext()
-        outs = []
-        with cfg.patch(fast), ctx, recording(decisions if mode == "pass" else []), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fn = torch.compile(model, fullgraph=True, dynamic=dynamic)
-            for i, (B, S) in enumerate(shapes):
-                x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(100 * r + i)).requires_grad_(True)
-                y = fn(x)
-                y = getattr(y, "to_local", lambda: y)()
-                (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(i))).sum().backward()
-                grads = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)().clone() for p in model.parameters()]
-                model.zero_grad()
-                outs.append([y.detach(), x.grad.clone(), *grads])
-        results[mode] = outs
-        graphs[mode] = counters["stats"]["unique_graphs"]
+
+    def step(fn, model, i, B, S):
+        x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(100 * r + i)).requires_grad_(True)
+        y = fn(x)
+        y = getattr(y, "to_local", lambda: y)()
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(i))).sum().backward()
+        grads = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)().clone() for p in model.parameters()]
+        model.zero_grad()
+        return [y.detach(), x.grad.clone(), *grads]
+
+    results, decisions, graphs = _run_modes(_Attention(), plan, ("pass", "no pass"), dynamic, shapes, step)
     errors = []
     if graphs["pass"] != graphs["no pass"]:
         errors.append(f"compiles: {graphs}")
