@@ -783,16 +783,17 @@ def _storage_base(n):
     return n
 
 
-def _merge_repeated_waits(ag: fx.Node, group_name: str) -> None:
+def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
     """One all-gather waited on more than once (Inductor's CSE merges the identical gathers of one
     tensor, e.g. q, k and v each ColwiseParallel(input_layouts=Shard(1)), but not their waits
     and reassemblies): the later waits, and then each repeated pure read of them (the same split,
     getitem, cat, reshape of the same nodes), are replaced by the first, so that one gather feeds
     every matmul. The same values: a wait returns the gathered tensor, and a pure op of the same
-    arguments computes the same thing; nothing that mutates may use a merged node."""
+    arguments computes the same thing; nothing that mutates may use a merged node.
+    Returns why the waits were left unmerged (the match then reports it), else None."""
     waits = [u for u in ag.users if u.target is _c10d.wait_tensor.default]
     if len(waits) < 2 or not _group_enabled(group_name):
-        return
+        return None
     order = {n: i for i, n in enumerate(ag.graph.nodes)}
 
     def key(n):
@@ -829,7 +830,10 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> None:
     for a, base in zip(leaves, bases_before):
         v = _val(a)
         if base in reached and not (isinstance(v, torch.Tensor) and _static(v) and _is_dense(v)):
-            return
+            return (f"waited on {len(waits)} times (Inductor merged identical gathers); the waits are merged "
+                    "only where every graph output they reach has static, dense strides, and "
+                    f"{a.name if isinstance(a, fx.Node) else a!r} does not (dynamic shapes: compile with "
+                    "dynamic=False, or mark_static the gathered dim)")  # fmt: skip
 
     def repeated_reads(n):
         by_key = {}
@@ -843,9 +847,13 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> None:
 
     # The gather's own size reads (make_fx computes each split's size from one) merge as well.
     todo = [sorted(waits, key=order.__getitem__), *repeated_reads(ag)]
+    why = None
     while todo:
         keep, *dups = todo.pop()
         if any(d not in order or mutated(d) for d in [keep, *dups]):
+            if keep.target is _c10d.wait_tensor.default:
+                why = (f"waited on {len(waits)} times (Inductor merged identical gathers), and a user of one "
+                       "of the waits (or of a view of one) mutates it: the waits are not merged")  # fmt: skip
             continue
         for d in dups:
             d.replace_all_uses_with(keep)
@@ -853,6 +861,7 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> None:
             del order[d]
         todo.extend(repeated_reads(keep))
     _unalias_outputs(output, bases_before)
+    return why
 
 
 def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
@@ -1285,9 +1294,10 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
         total += len(colls)
         for coll in colls:
             group = _arg(coll, 2 if target is ag_t else 3, "group_name")
+            merge_why = None
             if target is ag_t:
                 try:
-                    _merge_repeated_waits(coll, group)
+                    merge_why = _merge_repeated_waits(coll, group)
                 except Exception as e:  # noqa: BLE001 - each merge is the same value: what is done stands
                     env.logger.info("mptp: repeated waits of %s not merged: %s", coll.name, e)
             try:
@@ -1305,7 +1315,7 @@ def micro_pipeline_pass(graph: fx.Graph) -> int:
                     group,
                     None,
                     False,
-                    no_match if not coll.users else "unrecognized form",
+                    no_match if not coll.users else merge_why or "unrecognized form",
                 )
                 continue
             dim = getattr(m, dim_attr)
