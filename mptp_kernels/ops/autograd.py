@@ -25,7 +25,6 @@ dropped from what the caller sees. Where that builder is missing, plain
 register_autograd is used and the backward gathers A again.
 """
 
-import contextlib
 import math
 import threading
 
@@ -43,14 +42,6 @@ def grad_mode_at_call() -> bool:
     on = getattr(_CALL, "grad", None)
     return torch.is_grad_enabled() if on is None else on
 
-
-@contextlib.contextmanager
-def _recording_grad_mode():
-    prev, _CALL.grad = getattr(_CALL, "grad", None), torch.is_grad_enabled()
-    try:
-        yield
-    finally:
-        _CALL.grad = prev
 
 _SCALED = ("fused_all_gather_scaled_matmul", "fused_scaled_matmul_reduce_scatter")
 
@@ -179,10 +170,14 @@ def _register(lib, name: str, backward, setup_context=None, body=None) -> None:
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_forward_ad(name, args)
-        with _recording_grad_mode():
+        # the caller's grad mode, recorded for grad_mode_at_call (inline, not a generator context: issue 14)
+        prev, _CALL.grad = getattr(_CALL, "grad", None), torch.is_grad_enabled()
+        try:
             if body is None:
                 return inner(keyset, *args, **kwargs)
             return body(inner, keyset, *args, **kwargs)
+        finally:
+            _CALL.grad = prev
 
     lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
 

@@ -155,14 +155,12 @@ def describe(name: str, args, kwargs, W: int) -> Call:
 
 def _workspace(group_name: str, device, need: int):
     """The group's workspace (created at the group's first call), or None with why not."""
-    from ..symm import _C
-
+    _C = _symm_C()
     if _C.lib() is None:
         return None, _C.why_unavailable()
     if not _enabled(group_name):
         return None, f"group {group_name!r} is not enabled (mptp_kernels.enable_symm_mem_for_group)"
-    from ..symm import primitives as P
-
+    P = _prims()
     pg = P._group(group_name)
     why = _UNSERVABLE.get(pg, {}).get(str(device))
     if why is not None:
@@ -297,7 +295,7 @@ def run(name: str, *args, **kwargs):
     device = _NULL
     if isinstance(A, torch.Tensor) and A.is_cuda:
         index = A.get_device()
-        if index != torch.cuda.current_device():
+        if index != torch._C._cuda_getDevice():  # (CUDA is initialized: A is on it)
             device = torch.cuda.device(index)
     with lock, validate.no_autocast(A), device:
         return _run(name, *args, **kwargs)
@@ -401,12 +399,9 @@ def _run(name: str, *args, **kwargs):
     ref_fn = _REFERENCE[name]
     W = validate.group_size(group_name)  # an unknown group is raised at once: no peer to tell
     is_cuda = isinstance(A, torch.Tensor) and A.is_cuda
-    if is_cuda:
-        from ..symm import _C
-
-        if _C.lib() is not None:
-            from ..symm import primitives as P
-
+    if is_cuda and _symm_C().lib() is not None:
+        P = _prims()
+        if P._ErrorRecord.read() is not None:  # (the rank only where there is an error to name)
             P.check_errors(group_name, dist.get_rank() if dist.is_initialized() else -1)
     if agreement.BROKEN and W > 1:
         agreement.check_broken(dist.distributed_c10d._resolve_process_group(group_name))
@@ -450,8 +445,7 @@ def _run(name: str, *args, **kwargs):
     payloads, options = None, 0
     what = f"mptp {name} on group {group_name!r}"
     if W > 1 and ws is not None:
-        from ..symm.rendezvous import PeerTimeout
-
+        PeerTimeout = _prims().PeerTimeout
         try:
             pg = dist.distributed_c10d._resolve_process_group(group_name)
             payloads = ws.rendezvous.exchange(_encode(call, entry), what,
@@ -495,6 +489,7 @@ def _run(name: str, *args, **kwargs):
 
 
 _PRIMS = []
+_SYMM_C = []
 
 
 def _prims():
@@ -504,6 +499,16 @@ def _prims():
 
         _PRIMS.append(primitives)
     return _PRIMS[0]
+
+
+def _symm_C():
+    """symm._C (the extension's loader), imported on first use: an import statement in the
+    per-call path costs a microsecond or more each time (issue 14)."""
+    if not _SYMM_C:
+        from ..symm import _C
+
+        _SYMM_C.append(_C)
+    return _SYMM_C[0]
 
 
 class _guard:

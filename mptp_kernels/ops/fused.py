@@ -188,7 +188,8 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
         ws.captured = True
     a = _ag_args(ws)
     a.main = main_h
-    a.timeout_ns = int(env.timeout_s() * 1e9)
+    timeout_s = env.timeout_s()
+    a.timeout_ns = int(timeout_s * 1e9)
     # NOTE (issue 14): a call that gathers row-wise scales on a GPU its ranks share asks for no
     # copy engine (its consumer then leaves the full SM reserve, _consumer_sms). Measured in eager
     # (bench/diag_eager_copies.py, H100, W = 8 loopback, M = 8192, two runs): with copy-engine
@@ -225,7 +226,7 @@ def _ag_run(ws, A, Bs, gather_dim, group_name, return_A, W, scaled=None):
     # waits for may queue behind it), their chunks each with its flag, DONE. One call.
     P.ag_begin(a)
     kw = dict(num_chunks=W, order=ws.ag_order, flags=ws.flags, epoch=1, mode=pm.MODE_CONSUMER,
-              timeout_s=env.timeout_s(), err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev, ce),
+              timeout_s=timeout_s, err=ws.err, tag=_TAG_AG, num_sms=_consumer_sms(ws, dev, ce),
               poison=False)  # fmt: skip
     if scaled is None:
         outs2 = pm.persistent_matmul(A_full, Bs, **kw)

@@ -440,6 +440,11 @@ def no_autocast(t):
     compute in their inputs' dtypes on every path, forward and backward: the schema's (and the fake
     impl's) output dtypes, as PyTorch's symm_mem ops; the fused path never autocasts, so neither may
     the reference (ranks on different paths would otherwise disagree)."""
-    if isinstance(t, torch.Tensor) and autocast_dtype(t.device) is not None:
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
+    if isinstance(t, torch.Tensor):
+        dt = t.device.type
+        if (dt == "cuda" or dt == "cpu") and torch.is_autocast_enabled(dt):
+            return torch.autocast(dt, enabled=False)
+    return _NULL_CONTEXT
+
+
+_NULL_CONTEXT = contextlib.nullcontext()  # (reusable and reentrant: one for every call)

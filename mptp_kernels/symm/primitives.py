@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import env
 from . import _C
-from .rendezvous import HostRendezvous
+from .rendezvous import HostRendezvous, PeerTimeout  # noqa: F401 (PeerTimeout: the dispatcher catches it)
 
 NUM_CHANNELS = 16
 CH_BARRIER = 0
@@ -112,11 +112,15 @@ class _ErrorRecord:
             cls._host, cls._dev = h.value, d.value
         return cls._host, cls._dev
 
+    _rec = None  # the record as a ctypes array over its host mapping (made once: every op call reads it)
+
     @classmethod
     def read(cls):
-        if cls._host is None:
-            return None
-        rec = (ctypes.c_int32 * 6).from_address(cls._host)
+        rec = cls._rec
+        if rec is None:
+            if cls._host is None:
+                return None
+            rec = cls._rec = (ctypes.c_int32 * 6).from_address(cls._host)
         return list(rec) if rec[0] else None
 
 
@@ -723,18 +727,14 @@ _RETIRED: List[SymmetricMemory] = []
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     try:
-        return _resolve_process_group(group_name)
+        return dist.distributed_c10d._resolve_process_group(group_name)
     except Exception as e:  # noqa: BLE001 - c10d raises various types
         raise ValueError(f"group_name: no process group named {group_name!r} is registered ({e})") from None
 
 
 def _alive(pg: dist.ProcessGroup) -> bool:
-    from torch.distributed.distributed_c10d import _world
-
-    return pg in _world.pg_names
+    return pg in dist.distributed_c10d._world.pg_names
 
 
 def _prune() -> None:
