@@ -166,13 +166,22 @@ def _register(lib, name: str, backward, setup_context=None, body=None) -> None:
     except ImportError:
         torch.library.register_autograd(f"mptp::{name}", backward, setup_context=setup_context, lib=lib)
         return
-    inner = make_autograd_impl(getattr(torch.ops.mptp, name).default, Info(backward, setup_context))
+    op = getattr(torch.ops.mptp, name).default
+    inner = make_autograd_impl(op, Info(backward, setup_context))
+    below = torch._C._after_autograd_keyset
+    any_requires_grad = torch._C._any_requires_grad
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_forward_ad(name, args)
         # the caller's grad mode, recorded for grad_mode_at_call (inline, not a generator context: issue 14)
-        prev, _CALL.grad = getattr(_CALL, "grad", None), torch.is_grad_enabled()
+        grad = torch.is_grad_enabled()
+        prev, _CALL.grad = getattr(_CALL, "grad", None), grad
         try:
+            if not (grad and any_requires_grad(*args)):
+                # What the built kernel does then (no graph to record; body's rewrite is for a
+                # gradient only), without its layers: a few microseconds per call (issue 14).
+                with torch._C._AutoDispatchBelowAutograd():
+                    return op.redispatch(keyset & below, *args, **kwargs)
             if body is None:
                 return inner(keyset, *args, **kwargs)
             return body(inner, keyset, *args, **kwargs)
