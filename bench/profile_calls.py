@@ -63,7 +63,7 @@ def main():
     p.add_argument("--top", type=int, default=40)
     a = p.parse_args()
     g, ops = loopback_ops(a.W)
-    os.environ.update(PATHS["fused"])
+    os.environ.update(dict(PATHS)["fused"])
     for fn in ops.values():
         fn()
     mirror_loopback_buffers(g)
