@@ -1415,6 +1415,7 @@ def _memo_device(A) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (int, float, bool)
+_KEY_TYPES = frozenset((*_SCALARS, type(None)))  # the scalar arguments' types a memo key takes
 
 
 def _sk_settings() -> tuple:
@@ -1456,8 +1457,8 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
         return None  # the full path says what is wrong with it
     # NOTE: scalars by type too: 1, 1.0 and True are == but bind differently (Triton specializes
     # on the type), and a value of another type (a tensor, a Decimal) is left to the full path.
-    scalars = (epoch, tag, timeout_s, num_chunks, fast_accum, guard, poison, mode, num_sms)
-    if not all(x is None or x.__class__ in _SCALARS for x in scalars):
+    types = tuple(map(type, (epoch, tag, timeout_s, num_chunks, fast_accum, guard, poison, mode, num_sms)))
+    if not _KEY_TYPES.issuperset(types):
         return None
     o = outs[0] if outs is not None else None
     if A.__class__ not in _PLAIN or B.__class__ not in _PLAIN or (o is not None and o.__class__ not in _PLAIN):
@@ -1467,7 +1468,7 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
             None if o is None else (o.data_ptr(), o.shape, o.stride(), o.dtype), *small, out_dtype, fast_accum,
             num_chunks, epoch, mode, timeout_s, config, num_sms, kernel, tag, poison, guard,
             None if stream_k is None else repr(stream_k), torch.cuda.current_device(), _settings(),
-            tuple(x.__class__ for x in scalars), scatter)  # fmt: skip
+            types, scatter)  # fmt: skip
 
 
 def _memo_launch(m, A, B, outs, err):

@@ -514,7 +514,7 @@ def _scaled_layout_proxy(A, Bs, gd, group_name):
 
 def _restride(t, layout):
     """Returns t with the reference's strides (a copy only where they differ)."""
-    if t is None:
+    if t is None or (t.stride() == layout[1] and t.shape == layout[0]):  # (the common case, cheaply)
         return t
     same = reference.size1_restrided(t, *layout)  # t itself, or only size-1 dims' strides differ
     if same is not None:
