@@ -1458,7 +1458,10 @@ def _memo_key(A, B, outs, out_dtype, A_scale, B_scales, biases, fast_accum, num_
     # NOTE: scalars by type too: 1, 1.0 and True are == but bind differently (Triton specializes
     # on the type), and a value of another type (a tensor, a Decimal) is left to the full path.
     types = tuple(map(type, (epoch, tag, timeout_s, num_chunks, fast_accum, guard, poison, mode, num_sms)))
-    if not _KEY_TYPES.issuperset(types):
+    try:
+        if not _KEY_TYPES.issuperset(types):
+            return None
+    except TypeError:  # a type that cannot be hashed (a hostile review): the full path checks it
         return None
     o = outs[0] if outs is not None else None
     if A.__class__ not in _PLAIN or B.__class__ not in _PLAIN or (o is not None and o.__class__ not in _PLAIN):

@@ -1778,7 +1778,8 @@ def test_the_launch_memo_keeps_every_check_of_the_full_path(fake_launcher):
 def test_the_launch_memo_tells_scalar_types_apart_and_leaves_odd_values_to_the_full_path(fake_launcher, monkeypatch):
     """1, 1.0 and True are == but bind differently (Triton specializes on the type): each type
     is its own key, and what the launcher gets is what the full path gives it. A timeout given
-    as a tensor (mutable: an entry would go stale) or a Decimal, and outs=[None], are never
+    as a tensor (mutable: an entry would go stale), a Decimal or an int whose type cannot be
+    hashed, and outs=[None], are never
     served by the memo; an FP8 output table without some entries does not break plain calls;
     the memo is cleared only at MEMO_ENTRIES."""
     import decimal
@@ -1800,7 +1801,14 @@ def test_the_launch_memo_tells_scalar_types_apart_and_leaves_odd_values_to_the_f
             pm.MEMO = True
             typed = [[(x.__class__, x) for x in _shown(c, {2, 19, 20})] for c in (k.calls[-1], seen[(name, v.__class__)])]
             assert typed[0] == typed[1], (name, v)
-    for odd in (torch.tensor(5.0), decimal.Decimal(5)):
+    class _Meta(type):  # an int whose type cannot be hashed (a hostile review: the key raised)
+        def __eq__(cls, other):
+            return cls is other
+
+    class _UnhashableTypeInt(int, metaclass=_Meta):
+        pass
+
+    for odd in (torch.tensor(5.0), decimal.Decimal(5), _UnhashableTypeInt(5)):
         n = len(hits)
         outcome = []
         for memo in (True, True, False):
