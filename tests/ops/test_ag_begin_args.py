@@ -8,8 +8,10 @@ import types
 import pytest
 import torch
 
-from mptp_kernels import env
-from mptp_kernels.ops import fused, validate
+pytest.importorskip("triton", reason="ops.fused needs Triton (a CPU-only torch build comes without it)")
+
+from mptp_kernels import env  # noqa: E402
+from mptp_kernels.ops import fused, validate  # noqa: E402
 from mptp_kernels.symm import _C
 from mptp_kernels.symm import primitives as P
 
