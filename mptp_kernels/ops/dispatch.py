@@ -155,12 +155,12 @@ def describe(name: str, args, kwargs, W: int) -> Call:
 
 def _workspace(group_name: str, device, need: int):
     """The group's workspace (created at the group's first call), or None with why not."""
-    _C = _symm_C()
+    P = _prims()
+    _C = P._C
     if _C.lib() is None:
         return None, _C.why_unavailable()
     if not _enabled(group_name):
         return None, f"group {group_name!r} is not enabled (mptp_kernels.enable_symm_mem_for_group)"
-    P = _prims()
     pg = P._group(group_name)
     why = _UNSERVABLE.get(pg, {}).get(str(device))
     if why is not None:
@@ -399,9 +399,9 @@ def _run(name: str, *args, **kwargs):
     ref_fn = _REFERENCE[name]
     W = validate.group_size(group_name)  # an unknown group is raised at once: no peer to tell
     is_cuda = isinstance(A, torch.Tensor) and A.is_cuda
-    if is_cuda and _symm_C().lib() is not None:
+    if is_cuda:
         P = _prims()
-        if P._ErrorRecord.read() is not None:  # (the rank only where there is an error to name)
+        if P._C.lib() is not None and P._ErrorRecord.read() is not None:  # (the rank only to name an error)
             P.check_errors(group_name, dist.get_rank() if dist.is_initialized() else -1)
     if agreement.BROKEN and W > 1:
         agreement.check_broken(dist.distributed_c10d._resolve_process_group(group_name))
@@ -489,26 +489,16 @@ def _run(name: str, *args, **kwargs):
 
 
 _PRIMS = []
-_SYMM_C = []
 
 
 def _prims():
-    """symm.primitives, imported on first use (a CPU-only call never needs it)."""
+    """symm.primitives (and through it symm._C), imported on first use: a CPU-only call never needs
+    it, and an import statement in the per-call path costs a microsecond or more each time."""
     if not _PRIMS:
         from ..symm import primitives
 
         _PRIMS.append(primitives)
     return _PRIMS[0]
-
-
-def _symm_C():
-    """symm._C (the extension's loader), imported on first use: an import statement in the
-    per-call path costs a microsecond or more each time (issue 14)."""
-    if not _SYMM_C:
-        from ..symm import _C
-
-        _SYMM_C.append(_C)
-    return _SYMM_C[0]
 
 
 class _guard:

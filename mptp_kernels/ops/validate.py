@@ -432,7 +432,12 @@ def scaled_rs_extras(A, A_scale, B_scale, bias, result_scale, N: Optional[int] =
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The dtype of the autocast region active for device's type, or None."""
     dt = device.type
-    return torch.get_autocast_dtype(dt) if dt in ("cpu", "cuda") and torch.is_autocast_enabled(dt) else None
+    return torch.get_autocast_dtype(dt) if _autocast_on(dt) else None
+
+
+def _autocast_on(dt: str) -> bool:
+    """Whether an autocast region is active for device type dt (the ops know cpu and cuda)."""
+    return (dt == "cuda" or dt == "cpu") and torch.is_autocast_enabled(dt)
 
 
 def no_autocast(t):
@@ -440,10 +445,8 @@ def no_autocast(t):
     compute in their inputs' dtypes on every path, forward and backward: the schema's (and the fake
     impl's) output dtypes, as PyTorch's symm_mem ops; the fused path never autocasts, so neither may
     the reference (ranks on different paths would otherwise disagree)."""
-    if isinstance(t, torch.Tensor):
-        dt = t.device.type
-        if (dt == "cuda" or dt == "cpu") and torch.is_autocast_enabled(dt):
-            return torch.autocast(dt, enabled=False)
+    if isinstance(t, torch.Tensor) and _autocast_on(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
     return _NULL_CONTEXT
 
 
