@@ -423,7 +423,7 @@ def _run_batches(workers2, batches, hand=_OLD_FUNCOL):
     """Runs the batches on both ranks: (failures, collectives fused in the random cases on rank 0)."""
     failures, fused_random = [], 0
     for batch in batches:
-        for rank, results in enumerate(workers2.run(_run_cases, batch, SEED, hand, timeout_s=600)):
+        for rank, results in enumerate(workers2.run(_run_cases, batch, SEED, hand, timeout_s=600, crash_retries=1)):
             for desc, fused, expect, err, decisions in results:
                 if err:
                     failures.append(f"rank {rank}: {desc}: {err}")

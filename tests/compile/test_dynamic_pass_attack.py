@@ -708,7 +708,7 @@ def _sequence_dim(dynamic):
 
 @pytest.mark.parametrize("dynamic", [False, True, None])
 def test_sequence_dim_of_3d_fuses_static_and_symbolic(workers2, dynamic):
-    _assert_ranks_ok(workers2.run(_sequence_dim, dynamic, timeout_s=300))
+    _assert_ranks_ok(workers2.run(_sequence_dim, dynamic, timeout_s=300, crash_retries=1))
 
 
 def _assert_ranks_ok(results):
@@ -718,10 +718,10 @@ def _assert_ranks_ok(results):
 
 @pytest.mark.parametrize("seq", [False, True], ids=["tokens", "sequence"])
 def test_dynamic_model_equals_unfused_and_eager(workers2, seq):
-    _assert_ranks_ok(workers2.run(_dynamic_model, seq, timeout_s=240))
+    _assert_ranks_ok(workers2.run(_dynamic_model, seq, timeout_s=240, crash_retries=1))
 
 
 def test_raw_reduce_scatter_odd_rows_same_as_unfused(workers2):
     """Regression 1: the pass's guard Eq(Mod(M, 2), 0) made M = 5 recompile where the graph without
     the pass did not."""
-    _assert_ranks_ok(workers2.run(_raw_rs_odd_rows, timeout_s=180))
+    _assert_ranks_ok(workers2.run(_raw_rs_odd_rows, timeout_s=180, crash_retries=1))

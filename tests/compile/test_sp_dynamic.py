@@ -116,7 +116,7 @@ def _train(dynamic, shapes, mark=None):
     ids=["dynamic_true", "batch1_mark_dynamic_seq"],
 )
 def test_sp_mlp_trains_fused_and_exact_with_symbolic_shapes(workers2, dynamic, shapes, mark):
-    results = workers2.run(_train, dynamic, shapes, mark, timeout_s=600)
+    results = workers2.run(_train, dynamic, shapes, mark, timeout_s=600, crash_retries=1)
     failures = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not failures, "\n".join(failures)
 
@@ -181,7 +181,7 @@ def _attention(dynamic, shapes, merged=True):
 
 
 def test_attention_qkv_each_gathering_the_sequence_fuse_from_one_gather(workers2):
-    results = workers2.run(_attention, None, [(2, 4)], timeout_s=600)
+    results = workers2.run(_attention, None, [(2, 4)], timeout_s=600, crash_retries=1)
     failures = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not failures, "\n".join(failures)
 
@@ -191,6 +191,6 @@ def test_attention_qkv_with_symbolic_shapes_says_why_its_gather_is_not_merged(wo
     which the merge does not clone: that gather stays unfused (the values and compiles those of the
     unfused compile) and its decision names the cause (it said "unrecognized form"). Where
     Inductor gives that gather one wait (torch 2.13; helper-63) it fuses instead."""
-    results = workers2.run(_attention, True, [(2, 4), (2, 6)], False, timeout_s=600)
+    results = workers2.run(_attention, True, [(2, 4), (2, 6)], False, timeout_s=600, crash_retries=1)
     failures = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not failures, "\n".join(failures)

@@ -768,18 +768,18 @@ def _assert_ranks_ok(results):
 def test_compiled_numerics_fp32(workers2):
     """PyTorch's fp32 cases (test_fuse_all_gather_matmul, test_fuse_matmul_reduce_scatter, slice/cat,
     view optimization) and bf16 ones, compiled in one graph with the pass: equal to eager."""
-    _assert_ranks_ok(workers2.run(_numerics, "fp32", timeout_s=300))
+    _assert_ranks_ok(workers2.run(_numerics, "fp32", timeout_s=300, crash_retries=1))
 
 
 def test_compiled_numerics_fp8(workers2):
     """test_fuse_all_gather_scaled_matmul (tensor- and row-wise scales, PyTorch's _fp8_all_gather
     form), test_fuse_scaled_matmul_reduce_scatter and its row-wise reshape -> mm -> reshape case."""
-    _assert_ranks_ok(workers2.run(_numerics, "fp8", timeout_s=300))
+    _assert_ranks_ok(workers2.run(_numerics, "fp8", timeout_s=300, crash_retries=1))
 
 
 def test_compiled_numerics_dynamic(workers2):
     """dynamic=True: the 2-D dim-0 cases and the 3-D dim-1 ones fuse; values equal eager."""
-    _assert_ranks_ok(workers2.run(_numerics, "fp32", True, timeout_s=300))
+    _assert_ranks_ok(workers2.run(_numerics, "fp32", True, timeout_s=300, crash_retries=1))
 
 
 def _dynamic_rows():
@@ -816,7 +816,7 @@ def _dynamic_rows():
 
 
 def test_one_dynamic_compile_fuses_every_row_count(workers2):
-    _assert_ranks_ok(workers2.run(_dynamic_rows, timeout_s=300))
+    _assert_ranks_ok(workers2.run(_dynamic_rows, timeout_s=300, crash_retries=1))
 
 
 def _seq_par():
@@ -872,7 +872,7 @@ def _seq_par():
 
 def test_dtensor_seq_par(workers2):
     """PyTorch's DTensor sequence-parallel MLP (shard_dim 0 and 1): both collectives of each fused."""
-    _assert_ranks_ok(workers2.run(_seq_par, timeout_s=300))
+    _assert_ranks_ok(workers2.run(_seq_par, timeout_s=300, crash_retries=1))
 
 
 def _toggle_and_cache(cache_dir):
@@ -924,4 +924,4 @@ def _toggle_and_cache(cache_dir):
 
 
 def test_pass_toggled_between_compiles_with_fx_graph_cache(workers2, tmp_path):
-    _assert_ranks_ok(workers2.run(_toggle_and_cache, str(tmp_path), timeout_s=300))
+    _assert_ranks_ok(workers2.run(_toggle_and_cache, str(tmp_path), timeout_s=300, crash_retries=1))

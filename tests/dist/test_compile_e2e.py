@@ -100,7 +100,7 @@ def _tp_mlp_train(seed, seq_dim):
 
 @pytest.mark.parametrize("seq_dim", [0, 1])
 def test_tp_mlp_training_step_compiled_with_pass(workers2, seq_dim):
-    workers2.run(_tp_mlp_train, 4321, seq_dim, timeout_s=900)
+    workers2.run(_tp_mlp_train, 4321, seq_dim, timeout_s=900, crash_retries=1)
 
 
 def _tp_mlp(seed, seq_dim):
@@ -118,7 +118,7 @@ def _tp_mlp(seed, seq_dim):
 
 @pytest.mark.parametrize("seq_dim", [0, 1])
 def test_tp_mlp_compiled_with_pass(workers2, seq_dim):
-    workers2.run(_tp_mlp, 1234, seq_dim, timeout_s=900)
+    workers2.run(_tp_mlp, 1234, seq_dim, timeout_s=900, crash_retries=1)
 
 
 def _fp8_mlp(seed):
@@ -148,7 +148,7 @@ def _fp8_mlp(seed):
 
 
 def test_fp8_mlp_compiled_with_pass(workers2):
-    workers2.run(_fp8_mlp, 99, timeout_s=900)
+    workers2.run(_fp8_mlp, 99, timeout_s=900, crash_retries=1)
 
 
 def _fp16_reduce_scatter(reduce_op):
@@ -189,4 +189,4 @@ def _fp16_reduce_scatter(reduce_op):
 
 @pytest.mark.parametrize("world,reduce_op", [(3, "sum"), (2, "avg")])
 def test_fp16_reduce_scatter_under_the_pass_rounds_as_unfused_on_gloo(request, world, reduce_op):
-    request.getfixturevalue(f"workers{world}").run(_fp16_reduce_scatter, reduce_op, timeout_s=900)
+    request.getfixturevalue(f"workers{world}").run(_fp16_reduce_scatter, reduce_op, timeout_s=900, crash_retries=1)

@@ -84,3 +84,29 @@ def test_a_rank_that_answered_is_not_blamed_for_a_hang(fresh2):
     with pytest.raises(AssertionError, match=r"no answer from every rank within 10s \(answered: \[1\]"):
         fresh2.run(_answer_then_exit_while_other_hangs, timeout_s=10)
     assert fresh2.run(_rank) == [0, 1]
+
+
+def _crash_once(marker, sig_name):
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), getattr(signal, sig_name))
+    return dist.get_rank()
+
+
+def test_crash_retries_repeats_a_run_a_crash_signal_killed(fresh2, tmp_path):
+    """crash_retries (tests whose workers compile): a run a SIGSEGV killed is repeated once in
+    fresh workers, with a warning naming the signal; without it, or where the crash repeats, or
+    where the rank was SIGKILLed (not a crash), the run fails as before."""
+    with pytest.warns(UserWarning, match=r"_crash_once: rank\(s\) died \(rank 1: killed by SIGSEGV\); repeated"):
+        assert fresh2.run(_crash_once, str(tmp_path / "a"), "SIGSEGV", timeout_s=120, crash_retries=1) == [0, 1]
+    with pytest.raises(AssertionError, match="rank 1: killed by SIGSEGV"):
+        fresh2.run(_crash_once, str(tmp_path / "b"), "SIGSEGV", timeout_s=120)
+    with pytest.raises(AssertionError, match="rank 1: killed by SIGABRT"), pytest.warns(UserWarning):
+        fresh2.run(_die_or_raise_late, timeout_s=120, crash_retries=1)  # crashes every time
+    with pytest.raises(AssertionError, match="rank 1: killed by SIGKILL"):
+        fresh2.run(_crash_once, str(tmp_path / "c"), "SIGKILL", timeout_s=120, crash_retries=1)
+    assert fresh2.run(_rank) == [0, 1]
