@@ -820,7 +820,8 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
     leaves = torch.utils._pytree.tree_leaves(output.args)
     bases_before = [_storage_base(a) for a in leaves]
     # An output a merge could make share a buffer with another gets a clone (_unalias_outputs),
-    # which keeps its strides only where they are dense: otherwise nothing is merged.
+    # which keeps its strides only where they are dense (symbolic ones where provably so, no
+    # guard): otherwise nothing is merged.
     reached, stack = set(waits), list(waits)
     while stack:
         for u in stack.pop().users:
@@ -829,11 +830,10 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
                 stack.append(u)
     for a, base in zip(leaves, bases_before):
         v = _val(a)
-        if base in reached and not (isinstance(v, torch.Tensor) and _static(v) and _is_dense(v)):
+        if base in reached and not (isinstance(v, torch.Tensor) and _is_dense(v)):
             return (f"waited on {len(waits)} times (Inductor merged identical gathers); the waits are merged "
-                    "only where every graph output they reach has static, dense strides, and "
-                    f"{a.name if isinstance(a, fx.Node) else a!r} does not (dynamic shapes: compile with "
-                    "dynamic=False, or mark_static the gathered dim)")  # fmt: skip
+                    "only where every graph output they reach is dense (with symbolic sizes: provably, "
+                    f"without a guard), and {a.name if isinstance(a, fx.Node) else a!r} is not")  # fmt: skip
 
     def repeated_reads(n):
         by_key = {}
@@ -879,8 +879,10 @@ def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
             v = _tval(a)
             with output.graph.inserting_before(output):
                 c = output.graph.call_function(aten.clone.default, (a,))
+            # NOTE: a clone of a dense tensor keeps its strides (preserve_format); built from them,
+            # not by running the clone, whose density test would guard on symbolic strides.
             with v.fake_mode:
-                c.meta["val"] = aten.clone.default(v)  # dense, static: the same strides
+                c.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
             leaves[i], changed = c, True
     if changed:
         output.args = torch.utils._pytree.tree_unflatten(leaves, spec)

@@ -202,13 +202,17 @@ def _cases(g):
     return cases
 
 
-def _one_gather_waited_thrice(g, mutate=False):
+def _one_gather_waited_thrice(g, mutate=False, returned=None):
     """q, k and v each gathering the same shard on the sequence dim, as Inductor leaves it after
-    CSE: one all-gather, three waits, three split + cat + reshape chains, three matmuls."""
+    CSE: one all-gather, three waits, three split + cat + reshape chains, three matmuls.
+    returned(gathered) -> a tensor: each chain's gathered tensor is also returned through it
+    (a forward graph saving it for backward)."""
     gather, _ = _seq_collectives()
 
     def f(x, wq, wk, wv):
-        return [gather(x, 1, g) @ w for w in (wq, wk, wv)]
+        full = [gather(x, 1, g) for _ in range(3)]
+        outs = [a @ w for a, w in zip(full, (wq, wk, wv))]
+        return outs + ([returned(a) for a in full] if returned else [])
 
     gm = _symbolic(f, torch.rand(2, 4, 32), *(torch.rand(32, 16) for _ in range(3)))
     ags = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
@@ -245,6 +249,33 @@ def test_one_gather_waited_on_several_times_feeds_every_matmul(fake2):
         micro_pipeline_pass(gm.graph)
     assert waits[1] in gm.graph.nodes and waits[1].args[0].target is c10d.all_gather_into_tensor.default
     assert not decisions[0].fused, str(decisions[0])
+
+
+def test_repeated_waits_whose_gathered_tensors_are_outputs_merge_with_symbolic_sizes(fake2):
+    """Under dynamic=True an attention block's q/k/v gather reaches saved outputs of symbolic
+    sizes (the gathered sequence, reshaped): the merge clones the outputs it makes share a buffer,
+    with their own strides and no guard, and the gather fuses with all three matmuls (it was left
+    unfused: the clone took static strides only). An output that is not provably dense is still
+    refused, and says so."""
+    gm, _ = _one_gather_waited_thrice(fake2, returned=lambda a: a.reshape(-1, a.shape[-1]))
+    env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
+    guards, before = len(env.guards), _layouts(gm)
+    assert any(not isinstance(s, int) for s in before[-1][0]), before  # symbolic sizes
+    with recording([]) as decisions:
+        micro_pipeline_pass(gm.graph)
+    gm.recompile()
+    assert [str(d) for d in decisions] == [
+        f"all-gather all_gather_into_tensor (group {fake2}, dim 1): fused -> mptp.fused_all_gather_matmul (3 matmuls)"
+    ]
+    assert len(env.guards) == guards and _layouts(gm) == before
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert len(set(outs[3:])) == 3, gm.graph  # three distinct tensors, as before the merge
+    assert sum(n.target is aten.clone.default for n in gm.graph.nodes) == 2, gm.graph
+
+    gm, _ = _one_gather_waited_thrice(fake2, returned=lambda a: a[:, ::2])  # strided: not dense
+    with recording([]) as decisions:
+        micro_pipeline_pass(gm.graph)
+    assert not decisions[0].fused and "is not" in decisions[0].detail and "dense" in decisions[0].detail, decisions
 
 
 def _hand_graph(group, build):
