@@ -770,15 +770,24 @@ _PURE_READS = (*_overloads("split.Tensor", "split.sizes", "split_with_sizes.defa
                            "slice.Tensor", "reshape.default", "view.default", "_unsafe_view.default",
                            "alias.default", "detach.default", "sym_size.int"),
                operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv)  # fmt: skip
-# Of those, the ones whose result may share its input's storage.
+# Of those, the ones whose result may share its input's storage (with every op whose schema
+# says it returns a view of its input: _is_alias).
 _VIEWS = (*_overloads("split.Tensor", "split.sizes", "split_with_sizes.default", "view.dtype", "slice.Tensor",
                       "reshape.default", "view.default", "_unsafe_view.default", "alias.default", "detach.default"),
           operator.getitem)  # fmt: skip
 
 
+def _is_alias(n) -> bool:
+    """n's result may share its first argument's storage: a view op by its schema (permute,
+    transpose, unsqueeze, expand, select, as_strided, ...: found by a hostile review, a list of
+    them missed the transposes of merged reads) or one of _VIEWS (reshape, _unsafe_view)."""
+    return (isinstance(n, fx.Node) and n.op == "call_function"
+            and (n.target in _VIEWS or getattr(n.target, "is_view", False)))  # fmt: skip
+
+
 def _storage_base(n):
-    """The node whose buffer n may view (itself unless n is a view op of a node)."""
-    while isinstance(n, fx.Node) and n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
+    """The node whose buffer n may view (itself unless n is a view of a node)."""
+    while _is_alias(n) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
 
@@ -811,7 +820,7 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
             for u in cur.users:
                 if _order_sensitive(u):
                     return True
-                if u.target in _VIEWS and u not in seen:
+                if _is_alias(u) and u not in seen:
                     seen.add(u)
                     stack.append(u)
         return False
@@ -830,7 +839,9 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
                 stack.append(u)
     for a, base in zip(leaves, bases_before):
         v = _val(a)
-        if base in reached and not (isinstance(v, torch.Tensor) and _is_dense(v)):
+        # NOTE: an output that is no tensor (a size saved for backward) shares no buffer.
+        scalar = isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+        if base in reached and not scalar and not (isinstance(v, torch.Tensor) and _is_dense(v)):
             return (f"waited on {len(waits)} times (Inductor merged identical gathers); the waits are merged "
                     "only where every graph output they reach is dense (with symbolic sizes: provably, "
                     f"without a guard), and {a.name if isinstance(a, fx.Node) else a!r} is not")  # fmt: skip
@@ -867,12 +878,14 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
 def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
     """Graph outputs that a merge made share a buffer (the same node returned twice, or views of
     one merged buffer) get a clone each, so that what the caller receives is distinct as before
-    (found by a hostile review: a gathered tensor returned twice came back as one object)."""
+    (found by a hostile review: a gathered tensor returned twice came back as one object). A
+    clone has the output's shape and strides, not its storage offset: a view into its own
+    gathered buffer before comes back as a tensor of its own (offset 0)."""
     leaves, spec = torch.utils._pytree.tree_flatten(output.args)
     owner, changed = {}, False
     for i, (a, before) in enumerate(zip(leaves, bases_before)):
         base = _storage_base(a)
-        if not isinstance(base, fx.Node):
+        if not isinstance(base, fx.Node) or not isinstance(_val(a), torch.Tensor):
             continue
         first = owner.setdefault(base, i)
         if first != i and bases_before[first] is not before:

@@ -278,6 +278,78 @@ def test_repeated_waits_whose_gathered_tensors_are_outputs_merge_with_symbolic_s
     assert not decisions[0].fused and "is not" in decisions[0].detail and "dense" in decisions[0].detail, decisions
 
 
+_RETURNED = {  # name: (how each gathered tensor is returned, dense: the merge may clone it)
+    "reshape": (lambda a: a.reshape(-1, a.shape[-1]), True),
+    "transpose": (lambda a: a.transpose(0, 1), True),
+    "permute": (lambda a: a.permute(2, 0, 1), True),
+    "unsqueeze": (lambda a: a.unsqueeze(0), True),
+    "select": (lambda a: a[0], True),
+    "t_of_reshape": (lambda a: a.reshape(-1, a.shape[-1]).t(), True),
+    "offset_slice": (lambda a: a[1:], True),
+    "split_piece": (lambda a: a.split(1, 0)[1], True),
+    "itself": (lambda a: a, True),
+    "expand": (lambda a: a.unsqueeze(0).expand(2, *a.shape), False),
+    "strided_slice": (lambda a: a[:, ::2], False),
+    "overlapping": (lambda a: a.as_strided((2, 2), (1, 1)), False),
+}
+
+
+@pytest.mark.parametrize("name", list(_RETURNED))
+def test_merged_waits_never_make_returned_tensors_share_a_buffer(fake2, name):
+    """Found by a hostile review: the merge followed a fixed list of view ops, so a transpose
+    (permute, unsqueeze, select, ...) of a merged read was neither checked nor cloned, and three
+    returned tensors that were distinct came back as views of one buffer (a user's in-place op
+    on one changed the others). Every view op by its schema is followed now: each returned view
+    keeps its own buffer, with its layout and no guard; where it is not dense (no clone keeps its
+    strides) nothing is merged and the decision says why."""
+    def base(n):  # the buffer n views: through every view op (by its schema) and reshape
+        while n.op == "call_function" and (getattr(n.target, "is_view", False) or n.target is aten.reshape.default):
+            n = n.args[0]
+        return n
+
+    returned, dense = _RETURNED[name]
+    gm, _ = _one_gather_waited_thrice(fake2, returned=returned)
+    env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
+    guards, before = len(env.guards), _layouts(gm)
+    with recording([]) as decisions:
+        micro_pipeline_pass(gm.graph)
+    gm.recompile()
+    assert len(env.guards) == guards and _layouts(gm) == before
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert len({base(a) for a in outs[3:]}) == 3, gm.graph
+    assert decisions[0].fused == dense, str(decisions[0])
+    if not dense:
+        assert "is not" in decisions[0].detail and "dense" in decisions[0].detail, str(decisions[0])
+
+
+def test_merge_sees_a_mutation_through_any_view(pg1):
+    """Hand-built (post-grad graphs are functional): an in-place op on a permute of a repeated
+    read kept it from the merge only through the listed views (found by a hostile review: the
+    merged twin's value changed by the mutation)."""
+    import torch.fx as fx
+
+    mptp_kernels.enable_symm_mem_for_group(pg1)
+
+    def build(g, y, w1, w2):
+        c1 = g.call_function(aten.cat.default, ([w1, w1],))
+        c2 = g.call_function(aten.cat.default, ([w2, w2],))
+        g.call_function(aten.add_.Tensor, (g.call_function(aten.permute.default, (c2, [1, 0])), 100.0))
+        return (g.call_function(aten.mul.Tensor, (c1, 1.0)), c2)
+
+    gm = _hand_graph(pg1, build)
+    x, y = torch.rand(4, 8), torch.arange(3)
+    before = [t.clone() for t in gm(x, y)]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, FakeTensorMode()).propagate(x, y)
+    with recording([]):
+        micro_pipeline_pass(gm.graph)
+    gm.recompile()
+    assert isinstance(gm, fx.GraphModule)
+    assert all(torch.equal(a, b) for a, b in zip(before, gm(x, y)))
+
+
 def _hand_graph(group, build):
     """x -> one all-gather of `group` waited twice; build(graph, y, wait1, wait2) gives the outputs."""
     import torch.fx as fx
