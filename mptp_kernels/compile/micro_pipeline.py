@@ -828,23 +828,36 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
     output = next(n for n in reversed(ag.graph.nodes) if n.op == "output")
     leaves = torch.utils._pytree.tree_leaves(output.args)
     bases_before = [_storage_base(a) for a in leaves]
-    # An output a merge could make share a buffer with another gets a clone (_unalias_outputs),
-    # which keeps its strides only where they are dense (symbolic ones where provably so, no
-    # guard): otherwise nothing is merged.
+    # An output a merge could make share a buffer with another gets a clone (_unalias_outputs):
+    # a tensor of its own, with its shape and strides and storage offset 0. The same value only
+    # where each buffer the waits reach is returned through one output (the same node counts
+    # once), dense (symbolic strides where provably so, no guard) and at offset 0. NOTE: found by
+    # a hostile review: AOTAutograd rebuilds an output that views another output's buffer from
+    # that output's storage offset at run time; a clone of one at offset 0 then returned another
+    # slice of the data. Otherwise nothing is merged.
     reached, stack = set(waits), list(waits)
     while stack:
         for u in stack.pop().users:
             if u.target in _PURE_READS and u not in reached:
                 reached.add(u)
                 stack.append(u)
+    returned = {}
     for a, base in zip(leaves, bases_before):
         v = _val(a)
-        # NOTE: an output that is no tensor (a size saved for backward) shares no buffer.
-        scalar = isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
-        if base in reached and not scalar and not (isinstance(v, torch.Tensor) and _is_dense(v)):
+        if base not in reached or isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+            continue  # an output that is no tensor (a size saved for backward) shares no buffer
+        name = a.name if isinstance(a, fx.Node) else repr(a)
+        why = None
+        if not (isinstance(v, torch.Tensor) and _is_dense(v)):
+            why = f"{name} is not dense"
+        elif not _same_shape([v.storage_offset()], [0]):
+            why = f"{name} is a view at an offset into its buffer"
+        elif returned.setdefault(base, a) is not a:
+            why = f"{returned[base].name} and {name} view one buffer"
+        if why is not None:
             return (f"waited on {len(waits)} times (Inductor merged identical gathers); the waits are merged "
-                    "only where every graph output they reach is dense (with symbolic sizes: provably, "
-                    f"without a guard), and {a.name if isinstance(a, fx.Node) else a!r} is not")  # fmt: skip
+                    "only where each buffer they reach is returned through one output, dense (with symbolic "
+                    f"sizes: provably, without a guard) and at offset 0, and {why}")  # fmt: skip
 
     def repeated_reads(n):
         by_key = {}
@@ -878,9 +891,9 @@ def _merge_repeated_waits(ag: fx.Node, group_name: str) -> Optional[str]:
 def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
     """Graph outputs that a merge made share a buffer (the same node returned twice, or views of
     one merged buffer) get a clone each, so that what the caller receives is distinct as before
-    (found by a hostile review: a gathered tensor returned twice came back as one object). A
-    clone has the output's shape and strides, not its storage offset: a view into its own
-    gathered buffer before comes back as a tensor of its own (offset 0)."""
+    (found by a hostile review: a gathered tensor returned twice came back as one object). The
+    merge runs only where such an output is the one output of its buffer, dense and at offset 0,
+    so the clone is the same tensor as before, in a buffer of its own."""
     leaves, spec = torch.utils._pytree.tree_flatten(output.args)
     owner, changed = {}, False
     for i, (a, before) in enumerate(zip(leaves, bases_before)):

@@ -278,15 +278,16 @@ def test_repeated_waits_whose_gathered_tensors_are_outputs_merge_with_symbolic_s
     assert not decisions[0].fused and "is not" in decisions[0].detail and "dense" in decisions[0].detail, decisions
 
 
-_RETURNED = {  # name: (how each gathered tensor is returned, dense: the merge may clone it)
+_RETURNED = {  # name: (how each gathered tensor is returned, whether the merge may clone it:
+    # dense and at offset 0)
     "reshape": (lambda a: a.reshape(-1, a.shape[-1]), True),
     "transpose": (lambda a: a.transpose(0, 1), True),
     "permute": (lambda a: a.permute(2, 0, 1), True),
     "unsqueeze": (lambda a: a.unsqueeze(0), True),
     "select": (lambda a: a[0], True),
     "t_of_reshape": (lambda a: a.reshape(-1, a.shape[-1]).t(), True),
-    "offset_slice": (lambda a: a[1:], True),
-    "split_piece": (lambda a: a.split(1, 0)[1], True),
+    "offset_slice": (lambda a: a[1:], False),
+    "split_piece": (lambda a: a.split(1, 0)[1], False),
     "itself": (lambda a: a, True),
     "expand": (lambda a: a.unsqueeze(0).expand(2, *a.shape), False),
     "strided_slice": (lambda a: a[:, ::2], False),
@@ -301,13 +302,13 @@ def test_merged_waits_never_make_returned_tensors_share_a_buffer(fake2, name):
     returned tensors that were distinct came back as views of one buffer (a user's in-place op
     on one changed the others). Every view op by its schema is followed now: each returned view
     keeps its own buffer, with its layout and no guard; where it is not dense (no clone keeps its
-    strides) nothing is merged and the decision says why."""
+    strides) or at an offset (a clone is at 0) nothing is merged and the decision says why."""
     def base(n):  # the buffer n views: through every view op (by its schema) and reshape
         while n.op == "call_function" and (getattr(n.target, "is_view", False) or n.target is aten.reshape.default):
             n = n.args[0]
         return n
 
-    returned, dense = _RETURNED[name]
+    returned, clonable = _RETURNED[name]
     gm, _ = _one_gather_waited_thrice(fake2, returned=returned)
     env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
     guards, before = len(env.guards), _layouts(gm)
@@ -317,9 +318,38 @@ def test_merged_waits_never_make_returned_tensors_share_a_buffer(fake2, name):
     assert len(env.guards) == guards and _layouts(gm) == before
     outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert len({base(a) for a in outs[3:]}) == 3, gm.graph
-    assert decisions[0].fused == dense, str(decisions[0])
-    if not dense:
-        assert "is not" in decisions[0].detail and "dense" in decisions[0].detail, str(decisions[0])
+    assert decisions[0].fused == clonable, str(decisions[0])
+    if not clonable:
+        assert "is not dense" in decisions[0].detail or "at an offset" in decisions[0].detail, str(decisions[0])
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_merged_waits_keep_an_output_that_views_another(pg1, dynamic):
+    """Found by a hostile review: q and k each a cat of two gathers of x (one all-gather waited on
+    four times after CSE), returned with k[1:] reshaped. AOTAutograd rebuilds that view from k's
+    storage offset at run time; the merge cloned k and the view separately (offset 0), and the
+    view came back holding k[0:]'s rows. Two outputs of one buffer now keep the waits unmerged."""
+    mptp_kernels.enable_symm_mem_for_group(pg1)
+
+    def ag(x):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, 1, pg1))
+
+    def f(x):
+        q, k = torch.cat([ag(x), ag(x)]), torch.cat([ag(x), ag(x)])
+        return q, k, k[1:].reshape(-1, x.shape[1])
+
+    x = torch.arange(12.0).reshape(3, 4).requires_grad_(True)
+    cfg = torch._inductor.config
+    torch._dynamo.reset()
+    with cfg.patch({"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}), \
+            mptp_kernels.enable_micro_pipeline_tp(), recording([]) as decisions, warnings.catch_warnings():  # fmt: skip
+        warnings.simplefilter("ignore")
+        q, k, kv = torch.compile(f, fullgraph=True, dynamic=dynamic)(x)
+    torch._dynamo.reset()
+    full = torch.cat([x, x]).detach()
+    assert torch.equal(q, full) and torch.equal(k, full), (q, k)
+    assert torch.equal(kv, full[1:]), (kv, [str(d) for d in decisions])
+    assert q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
 
 
 def test_merge_sees_a_mutation_through_any_view(pg1):
