@@ -895,22 +895,26 @@ def _unalias_outputs(output: fx.Node, bases_before: list) -> None:
     merge runs only where such an output is the one output of its buffer, dense and at offset 0,
     so the clone is the same tensor as before, in a buffer of its own."""
     leaves, spec = torch.utils._pytree.tree_flatten(output.args)
-    owner, changed = {}, False
+    # NOTE: one clone per buffer before the merge (found by a hostile review: a node returned
+    # twice got two clones, and two outputs that were one buffer came back as two).
+    owner, clones = {}, {}
     for i, (a, before) in enumerate(zip(leaves, bases_before)):
         base = _storage_base(a)
         if not isinstance(base, fx.Node) or not isinstance(_val(a), torch.Tensor):
             continue
         first = owner.setdefault(base, i)
         if first != i and bases_before[first] is not before:
-            v = _tval(a)
-            with output.graph.inserting_before(output):
-                c = output.graph.call_function(aten.clone.default, (a,))
-            # NOTE: a clone of a dense tensor keeps its strides (preserve_format); built from them,
-            # not by running the clone, whose density test would guard on symbolic strides.
-            with v.fake_mode:
-                c.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-            leaves[i], changed = c, True
-    if changed:
+            if before not in clones:
+                v = _tval(a)
+                with output.graph.inserting_before(output):
+                    c = output.graph.call_function(aten.clone.default, (a,))
+                # NOTE: a clone of a dense tensor keeps its strides (preserve_format); built from
+                # them, not by running the clone, whose density test would guard on symbolic strides.
+                with v.fake_mode:
+                    c.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                clones[before] = c
+            leaves[i] = clones[before]
+    if clones:
         output.args = torch.utils._pytree.tree_unflatten(leaves, spec)
 
 

@@ -352,6 +352,33 @@ def test_merged_waits_keep_an_output_that_views_another(pg1, dynamic):
     assert q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
 
 
+def test_merged_waits_keep_one_returned_buffer_one(pg1):
+    """Found by a hostile review: k.detach() and k.detach()[:] are one node after Inductor's
+    decompositions, returned twice; the merge cloned each slot, so two outputs that share a buffer
+    (eagerly, and compiled without the pass) came back as two. One clone per buffer now."""
+    mptp_kernels.enable_symm_mem_for_group(pg1)
+
+    def ag(x):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, 1, pg1))
+
+    def f(x):
+        q, k = torch.cat([ag(x), ag(x)]), torch.cat([ag(x), ag(x)])
+        return q, k.detach(), k.detach()[:]
+
+    x = torch.arange(12.0).reshape(3, 4).requires_grad_(True)
+    cfg = torch._inductor.config
+    torch._dynamo.reset()
+    with cfg.patch({"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": False}), \
+            mptp_kernels.enable_micro_pipeline_tp(), recording([]), warnings.catch_warnings():  # fmt: skip
+        warnings.simplefilter("ignore")
+        q, kd, kd2 = torch.compile(f, fullgraph=True, dynamic=False)(x)
+    torch._dynamo.reset()
+    full = torch.cat([x, x]).detach()
+    assert torch.equal(q, full) and torch.equal(kd, full) and torch.equal(kd2, full)
+    assert kd.untyped_storage().data_ptr() == kd2.untyped_storage().data_ptr()
+    assert q.untyped_storage().data_ptr() != kd.untyped_storage().data_ptr()
+
+
 def test_merge_sees_a_mutation_through_any_view(pg1):
     """Hand-built (post-grad graphs are functional): an in-place op on a permute of a repeated
     read kept it from the merge only through the listed views (found by a hostile review: the
