@@ -227,21 +227,27 @@ def _one_gather_waited_thrice(g, mutate=False, returned=None):
     return gm, waits
 
 
-def test_one_gather_waited_on_several_times_feeds_every_matmul(fake2):
-    """Repeated waits of one all-gather (and their repeated reassemblies) are one value: merged,
-    then fused with all three matmuls, no guard, the collective gone; not merged where a user
-    mutates (found by a hostile review: the q/k/v gather of an attention block was refused as
-    "unrecognized form")."""
-    gm, _ = _one_gather_waited_thrice(fake2)
+def _assert_fuses_from_one_gather(gm, g):
+    """The pass fuses gm's one gather with its three matmuls, with no guard and every output's
+    layout kept."""
     env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
     guards, before = len(env.guards), _layouts(gm)
     with recording([]) as decisions:
         micro_pipeline_pass(gm.graph)
     gm.recompile()
     assert [str(d) for d in decisions] == [
-        f"all-gather all_gather_into_tensor (group {fake2}, dim 1): fused -> mptp.fused_all_gather_matmul (3 matmuls)"
+        f"all-gather all_gather_into_tensor (group {g}, dim 1): fused -> mptp.fused_all_gather_matmul (3 matmuls)"
     ]
     assert len(env.guards) == guards and _layouts(gm) == before
+
+
+def test_one_gather_waited_on_several_times_feeds_every_matmul(fake2):
+    """Repeated waits of one all-gather (and their repeated reassemblies) are one value: merged,
+    then fused with all three matmuls, no guard, the collective gone; not merged where a user
+    mutates (found by a hostile review: the q/k/v gather of an attention block was refused as
+    "unrecognized form")."""
+    gm, _ = _one_gather_waited_thrice(fake2)
+    _assert_fuses_from_one_gather(gm, fake2)
     assert not [n for n in gm.graph.nodes if str(n.target).startswith("_c10d_functional")], gm.graph
 
     gm, waits = _one_gather_waited_thrice(fake2, mutate=True)
@@ -258,16 +264,8 @@ def test_repeated_waits_whose_gathered_tensors_are_outputs_merge_with_symbolic_s
     unfused: the clone took static strides only). An output that is not provably dense is still
     refused, and says so."""
     gm, _ = _one_gather_waited_thrice(fake2, returned=lambda a: a.reshape(-1, a.shape[-1]))
-    env = next(n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder")
-    guards, before = len(env.guards), _layouts(gm)
-    assert any(not isinstance(s, int) for s in before[-1][0]), before  # symbolic sizes
-    with recording([]) as decisions:
-        micro_pipeline_pass(gm.graph)
-    gm.recompile()
-    assert [str(d) for d in decisions] == [
-        f"all-gather all_gather_into_tensor (group {fake2}, dim 1): fused -> mptp.fused_all_gather_matmul (3 matmuls)"
-    ]
-    assert len(env.guards) == guards and _layouts(gm) == before
+    assert any(not isinstance(s, int) for s in _layouts(gm)[-1][0]), _layouts(gm)  # symbolic sizes
+    _assert_fuses_from_one_gather(gm, fake2)
     outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert len(set(outs[3:])) == 3, gm.graph  # three distinct tensors, as before the merge
     assert sum(n.target is aten.clone.default for n in gm.graph.nodes) == 2, gm.graph
